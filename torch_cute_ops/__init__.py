@@ -1,3 +1,20 @@
-"""torch-cute-ops: CuTe DSL kernels for PyTorch as torch.library custom ops."""
+"""torch-cute-ops: CuTe DSL kernels for PyTorch, as ``torch.ops.cute`` custom ops.
+
+Ops (``torch.ops.cute``): ``gemm``, ``flash_attn_fwd``, ``flash_attn_bwd``.
+Public functions: :func:`gemm`, :func:`linear`, :func:`flash_attn_func`,
+:func:`scaled_dot_product_attention` and the SDPA routing switch.
+"""
 
 __version__ = "0.1.0"
+
+from .functional import flash_attn_func, gemm, linear
+from .ops.fallback import FallbackError
+from .ops.fallback import counts as fallback_counts
+from .sdpa import (disable_sdpa_override, enable_sdpa_override, scaled_dot_product_attention,
+                   sdpa_override, sdpa_override_enabled)
+
+__all__ = [
+    "FallbackError", "disable_sdpa_override", "enable_sdpa_override", "fallback_counts",
+    "flash_attn_func", "gemm", "linear", "scaled_dot_product_attention", "sdpa_override",
+    "sdpa_override_enabled",
+]

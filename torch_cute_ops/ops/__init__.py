@@ -1,0 +1,7 @@
+"""The op layer: schemas, validation, fake functions, autograd and dispatch of ``torch.ops.cute``.
+
+Importing this package registers every op; it never imports the CuTe DSL (kernel modules are
+imported on the first CUDA call that can use them).
+"""
+
+from . import attention, gemm  # noqa: F401  (registration side effects)

@@ -1,0 +1,14 @@
+// The `cute` operator library, declared for C++/libtorch users.
+//
+// Compile this fragment into your own extension (or libtorch program) to get the same
+// schemas that `import torch_cute_ops` registers from Python; then provide kernels with
+// TORCH_LIBRARY_IMPL(cute, CUDA, m) { m.impl("gemm", &my_gemm); ... }. Do not load it into a
+// process that also imports torch_cute_ops: a library may be defined only once.
+// tests/test_schemas.py checks that these schemas match torch_cute_ops/ops/schemas.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(cute, m) {
+  m.def("gemm(Tensor a, Tensor b, Tensor? bias=None, str? activation=None, ScalarType? out_dtype=None) -> Tensor");
+  m.def("flash_attn_fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal) -> (Tensor out, Tensor lse)");
+  m.def("flash_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, bool causal) -> (Tensor dq, Tensor dk, Tensor dv)");
+}

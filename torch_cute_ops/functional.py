@@ -1,0 +1,47 @@
+"""The public functions: thin, trace-friendly wrappers over ``torch.ops.cute``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import ops  # noqa: F401  (registers torch.ops.cute.*)
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+         activation: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``activation(a @ b + bias)`` in one kernel; a (M, K) or (L, M, K), b (K, N) or (L, K, N).
+
+    ``activation`` is None, "relu", "gelu_tanh" or "silu"; ``out_dtype`` defaults to a's dtype.
+    """
+    return torch.ops.cute.gemm(a, b, bias, activation, out_dtype)
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as ``torch.nn.functional.linear``: ``input @ weight.T + bias``."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected a 2-d tensor (out_features, in_features), got shape {tuple(weight.shape)}")
+    if input.dim() == 0:
+        raise ValueError("input: expected at least 1 dimension, got a scalar")
+    if input.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input: expected last dim {weight.shape[1]} (in_features of weight), "
+                         f"got shape {tuple(input.shape)}")
+    lead = input.shape[:-1]
+    flat = input.reshape(-1, input.shape[-1])  # a view whenever the leading dims allow it
+    out = torch.ops.cute.gemm(flat, weight.t(), bias, None, None)  # weight.t(): K-major B, no copy
+    return out.view(*lead, weight.shape[0])
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+                    causal: bool = False, return_lse: bool = False):
+    """Attention over (batch, seqlen, heads, head_dim) tensors, FlashAttention-style.
+
+    GQA/MQA when k and v have fewer heads than q; ``causal`` is aligned bottom-right when
+    seqlen_q != seqlen_k. With ``return_lse`` also returns the float32 log-sum-exp
+    (batch, heads, seqlen_q).
+    """
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = torch.ops.cute.flash_attn_fwd(q, k, v, float(softmax_scale), bool(causal))
+    return (out, lse) if return_lse else out

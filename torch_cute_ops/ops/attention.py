@@ -1,0 +1,138 @@
+"""``cute::flash_attn_fwd`` / ``cute::flash_attn_bwd`` in the (B, S, H, D) layout, with autograd.
+
+Semantics (GQA, bottom-right causal, empty rows, lse) are those of
+``torch_cute_ops.reference.attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference import attention as reference
+from . import checks, dispatch, fallback
+from .schemas import lib, qualname, register_impl
+
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+
+
+def _validate_qkv(q, k, v) -> None:
+    layout = "(batch, seqlen, heads, head_dim)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.require_rank(name, t, (4,), layout)
+    checks.require_dtype("q", q, INPUT_DTYPES)
+    checks.require_same_dtype("k", k, "q", q)
+    checks.require_same_dtype("v", v, "q", q)
+    checks.require_same_device([("q", q), ("k", k), ("v", v)])
+    batch, _, heads_q, head_dim = q.shape
+    checks.require_dim("k", k, 0, batch, "batch, as in q")
+    checks.require_dim("k", k, 3, head_dim, "head_dim, as in q")
+    checks.require_dim("v", v, 0, batch, "batch, as in q")
+    checks.require_dim("v", v, 1, k.shape[1], "seqlen_k, as in k")
+    checks.require_dim("v", v, 2, k.shape[2], "kv heads, as in k")
+    checks.require_dim("v", v, 3, head_dim, "head_dim, as in q (a different v head dim is not supported)")
+    if k.shape[2] == 0 or heads_q % k.shape[2]:
+        raise ValueError(f"k: the number of kv heads ({k.shape[2]}) must divide the number of "
+                         f"query heads ({heads_q}) (GQA/MQA)")
+    if not 0 < head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"q: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+
+
+def _kernel_or_reason(op: str, named, q, k, v, causal):
+    kernel = dispatch.kernel_for(op, q.device)
+    if isinstance(kernel, str):
+        return None, kernel
+    for name, t in named:
+        reason = checks.tma_reason(name, t, (3,))
+        if reason:
+            return None, reason
+    return kernel, kernel.unsupported_reason(q, k, v, causal)
+
+
+# ---------------------------------------------------------------------------------- forward
+
+def _fwd_outputs_like(q):
+    b, s, h, _ = q.shape
+    lse_dtype = reference.compute_dtype(q.dtype)
+    return (q.new_empty(q.shape),
+            q.new_empty((b, h, s), dtype=lse_dtype))
+
+
+def _flash_attn_fwd(q, k, v, softmax_scale, causal):
+    _validate_qkv(q, k, v)
+    if q.is_cuda:
+        kernel, reason = _kernel_or_reason("flash_attn_fwd", (("q", q), ("k", k), ("v", v)), q, k, v, causal)
+        if reason is None:
+            out, lse = _fwd_outputs_like(q)
+            kernel.launch(q, k, v, out, lse, softmax_scale, causal)
+            return out, lse
+        fallback.note("flash_attn_fwd", reason)
+    return reference.flash_attn_fwd(q, k, v, softmax_scale, causal)
+
+
+register_impl("flash_attn_fwd", _flash_attn_fwd)
+
+
+@torch.library.register_fake(qualname("flash_attn_fwd"), lib=lib)
+def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal):
+    _validate_qkv(q, k, v)
+    return _fwd_outputs_like(q)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal = inputs
+    out, lse = output
+    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cute.flash_attn_bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
+    return dq, dk, dv, None, None
+
+
+torch.library.register_autograd(qualname("flash_attn_fwd"), _fwd_backward,
+                                setup_context=_fwd_setup_context, lib=lib)
+
+
+# --------------------------------------------------------------------------------- backward
+
+def _validate_bwd(dout, q, k, v, out, lse) -> None:
+    _validate_qkv(q, k, v)
+    for name, t in (("dout", dout), ("out", out)):
+        checks.require_same_dtype(name, t, "q", q)
+        if t.shape != q.shape:
+            raise ValueError(f"{name}: expected shape {tuple(q.shape)} (the shape of q), got {tuple(t.shape)}")
+    b, s, h, _ = q.shape
+    if lse.shape != (b, h, s):
+        raise ValueError(f"lse: expected shape {(b, h, s)} (batch, heads_q, seqlen_q), got {tuple(lse.shape)}")
+    checks.require_dtype("lse", lse, (reference.compute_dtype(q.dtype),))
+    checks.require_same_device([("q", q), ("dout", dout), ("out", out), ("lse", lse)])
+
+
+def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal):
+    _validate_bwd(dout, q, k, v, out, lse)
+    if q.is_cuda:
+        # the backward's autograd hands over whatever layout the loss produced
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+        named = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
+        kernel, reason = _kernel_or_reason("flash_attn_bwd", named, q, k, v, causal)
+        if reason is None:
+            dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+            dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+            dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+            kernel.launch(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, softmax_scale, causal)
+            return dq, dk, dv
+        fallback.note("flash_attn_bwd", reason)
+    return reference.flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal)
+
+
+register_impl("flash_attn_bwd", _flash_attn_bwd)
+
+
+@torch.library.register_fake(qualname("flash_attn_bwd"), lib=lib)
+def _flash_attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal):
+    _validate_bwd(dout, q, k, v, out, lse)
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))

@@ -1,0 +1,50 @@
+"""Fallbacks to the PyTorch reference: counted, logged once per reason, fatal in strict mode.
+
+A fallback happens when inputs are valid but no kernel covers the case on this device (an
+arch without kernels, an unsupported dtype, a stride the TMA cannot address, ...). The
+result is still right, only slower, so by default it is logged once per (op, reason) and
+counted; ``TORCH_CUTE_OPS_STRICT=1`` turns it into an error so that a benchmark or a
+production job cannot silently run the slow path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+
+import torch
+
+log = logging.getLogger("torch_cute_ops")
+
+_counts: Counter[tuple[str, str]] = Counter()
+
+
+class FallbackError(RuntimeError):
+    """Raised instead of falling back when TORCH_CUTE_OPS_STRICT=1."""
+
+
+def strict() -> bool:
+    return os.environ.get("TORCH_CUTE_OPS_STRICT", "0").lower() in ("1", "true", "yes", "on")
+
+
+def note(op: str, reason: str) -> None:
+    """Record that ``op`` takes the reference path because of ``reason`` (or raise in strict mode)."""
+    if strict():
+        raise FallbackError(f"torch_cute_ops.{op}: no kernel for this case ({reason}) and "
+                            "TORCH_CUTE_OPS_STRICT=1 forbids the reference fallback")
+    if torch.compiler.is_compiling():
+        return  # traced code records nothing; the op's own runtime path still counts
+    key = (op, reason)
+    if key not in _counts:
+        log.warning("torch_cute_ops.%s falls back to the PyTorch reference: %s", op, reason)
+    _counts[key] += 1
+
+
+def counts() -> dict[tuple[str, str], int]:
+    """How often each (op, reason) fell back in this process."""
+    return dict(_counts)
+
+
+def reset() -> None:
+    _counts.clear()

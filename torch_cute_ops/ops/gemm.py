@@ -1,0 +1,106 @@
+"""``cute::gemm``: C = act(A @ B + bias), with fake function, CUDA dispatch and autograd.
+
+a is (M, K) or (L, M, K), b is (K, N) or (L, K, N), either row- or column-major: a
+transposed view reaches the kernel as it is and selects the kernel's majorness.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference import gemm as reference
+from . import checks, dispatch, fallback
+from .schemas import lib, qualname, register_impl
+
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+OUTPUT_DTYPES = INPUT_DTYPES
+ACTIVATIONS = tuple(reference.ACTIVATIONS)
+
+
+def _validate(a, b, bias, activation, out_dtype) -> tuple[tuple[int, ...], torch.dtype]:
+    """Raise on invalid inputs; return the output shape and dtype."""
+    checks.require_rank("a", a, (2, 3), "(M, K) or (L, M, K)")
+    checks.require_rank("b", b, (a.dim(),), "(K, N)" if a.dim() == 2 else "(L, K, N) like a")
+    checks.require_dtype("a", a, INPUT_DTYPES)
+    checks.require_same_dtype("b", b, "a", a)
+    checks.require_same_device([("a", a), ("b", b), ("bias", bias)])
+    checks.require_dim("b", b, -2, a.shape[-1], "K, the last dim of a")
+    if a.dim() == 3:
+        checks.require_dim("b", b, 0, a.shape[0], "L, the batch of a")
+    n = b.shape[-1]
+    if bias is not None:
+        checks.require_same_dtype("bias", bias, "a", a)
+        checks.require_rank("bias", bias, (1,), "(N,)")
+        checks.require_dim("bias", bias, 0, n, "N, the last dim of b")
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected None or one of {ACTIVATIONS}, got {activation!r}")
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    if out_dtype not in OUTPUT_DTYPES:
+        raise TypeError(f"out_dtype: expected one of {OUTPUT_DTYPES}, got {out_dtype}")
+    return (*a.shape[:-1], n), out_dtype
+
+
+def kernel_reason(a3, b3, bias) -> str | None:
+    """Why the TMA-based kernels cannot address these (valid) operands, or None."""
+    return (checks.tma_reason("a", a3, (1, 2)) or checks.tma_reason("b", b3, (1, 2))
+            or (bias is not None and checks.tma_reason("bias", bias, (0,))) or None)
+
+
+def _launch_kernel(a, b, bias, activation, out_dtype, shape) -> torch.Tensor | None:
+    kernel = dispatch.kernel_for("gemm", a.device)
+    a3, b3 = (a, b) if a.dim() == 3 else (a.unsqueeze(0), b.unsqueeze(0))
+    if isinstance(kernel, str):
+        reason = kernel
+    else:
+        reason = kernel_reason(a3, b3, bias) or kernel.unsupported_reason(a3, b3, bias, activation, out_dtype)
+    if reason:
+        fallback.note("gemm", reason)
+        return None
+    out = torch.empty(shape, dtype=out_dtype, device=a.device)
+    kernel.launch(a3, b3, bias, activation, out if out.dim() == 3 else out.unsqueeze(0))
+    return out
+
+
+def _gemm(a, b, bias=None, activation=None, out_dtype=None):
+    shape, out_dtype = _validate(a, b, bias, activation, out_dtype)
+    if a.is_cuda:
+        out = _launch_kernel(a, b, bias, activation, out_dtype, shape)
+        if out is not None:
+            return out
+    return reference.gemm(a, b, bias, activation, out_dtype)
+
+
+register_impl("gemm", _gemm)
+
+
+@torch.library.register_fake(qualname("gemm"), lib=lib)
+def _gemm_fake(a, b, bias=None, activation=None, out_dtype=None):
+    shape, out_dtype = _validate(a, b, bias, activation, out_dtype)
+    return a.new_empty(shape, dtype=out_dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, bias, activation, _ = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(a, b, bias)
+
+
+def _backward(ctx, grad):
+    """dA = dZ @ B^T and dB = A^T @ dZ through the same op (transposed views, no copies).
+
+    With an activation, dZ = grad * act'(Z) needs the pre-activation Z = A @ B + bias, which
+    is recomputed in fp32 rather than stored: one more GEMM instead of an (M, N) buffer.
+    """
+    a, b, bias = ctx.saved_tensors
+    if ctx.activation is not None:
+        pre = torch.ops.cute.gemm(a, b, bias, None, reference._acc_dtype(a.dtype))
+        grad = reference.activation_backward(ctx.activation, grad.to(pre.dtype), pre)
+    grad = grad.to(a.dtype)
+    need_a, need_b, need_bias = ctx.needs_input_grad[:3]
+    grad_a = torch.ops.cute.gemm(grad, b.mT) if need_a else None
+    grad_b = torch.ops.cute.gemm(a.mT, grad) if need_b else None
+    grad_bias = grad.sum(dim=tuple(range(grad.dim() - 1))) if need_bias else None
+    return grad_a, grad_b, grad_bias, None, None
+
+
+torch.library.register_autograd(qualname("gemm"), _backward, setup_context=_setup_context, lib=lib)

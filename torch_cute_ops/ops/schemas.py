@@ -1,0 +1,35 @@
+"""The ``cute`` operator library: one schema per op, shared with csrc_stubs/cute_ops.cpp.
+
+A CPU test parses the C++ fragment and compares it with ``SCHEMAS`` so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAMESPACE = "cute"
+
+SCHEMAS = {
+    "gemm": "gemm(Tensor a, Tensor b, Tensor? bias=None, str? activation=None, "
+            "ScalarType? out_dtype=None) -> Tensor",
+    "flash_attn_fwd": "flash_attn_fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, "
+                      "bool causal) -> (Tensor out, Tensor lse)",
+    "flash_attn_bwd": "flash_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+                      "Tensor lse, float softmax_scale, bool causal) -> (Tensor dq, Tensor dk, Tensor dv)",
+}
+
+# Kernels never take the reference's CPU path, but CPU tensors must work everywhere.
+DEVICE_KEYS = ("CPU", "CUDA")
+
+lib = torch.library.Library(NAMESPACE, "DEF")
+for _schema in SCHEMAS.values():
+    lib.define(_schema)
+
+
+def qualname(op: str) -> str:
+    return f"{NAMESPACE}::{op}"
+
+
+def register_impl(op: str, fn) -> None:
+    for key in DEVICE_KEYS:
+        lib.impl(op, fn, key)
