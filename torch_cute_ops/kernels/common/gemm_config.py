@@ -1,0 +1,98 @@
+"""GEMM tile configurations and the small heuristics that pick one per problem.
+
+A :class:`GemmConfig` is what changes the code of a GEMM kernel besides dtypes and
+majorness: the CTA tile, the cluster shape and the rasterization of the persistent
+tile scheduler (:mod:`.tile_scheduler`). Pipeline depth is not part of it: each
+kernel derives its stage count from the shared memory its tile leaves free.
+
+``choose_config(arch, m, n, k, batch)`` dispatches to one heuristic per arch. The
+Hopper rules live here; another arch registers its own with
+:func:`register_heuristic` from its kernel module, so the table stays in one place
+and this file never imports a kernel.
+
+Hopper (sm_90a) rules, for 16-bit inputs on a 132-SM H100/H200:
+
+* ``M <= 64``: one consumer warpgroup, ``64 x 128`` tiles (``64 x 64`` when that
+  still leaves SMs idle); these shapes are bound by reading B, so more CTAs win.
+* otherwise ``128 x 256`` tiles with two consumer warpgroups (each owns 64 rows)
+  when they fill at least 3/4 of a wave, else ``128 x 128`` to get more CTAs.
+* a ``2 x 1`` cluster (B tile multicast to both CTAs of the pair, halving its L2
+  reads) whenever there are at least two tile rows.
+* bands of 8 clusters along M for L2 reuse between the tiles of one wave.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+# SMs of the usual parts; kernels take the real count of the device at launch
+DEFAULT_SM_COUNT = {"sm_90a": 132, "sm_100a": 148}
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    tile_m: int
+    tile_n: int
+    cluster_m: int = 1
+    cluster_n: int = 1
+    group_size: int = 8
+    band_along_m: bool = True
+
+    @property
+    def tile_mn(self) -> tuple[int, int]:
+        return (self.tile_m, self.tile_n)
+
+    @property
+    def cluster_mn(self) -> tuple[int, int]:
+        return (self.cluster_m, self.cluster_n)
+
+    def spec_params(self) -> dict:
+        """The KernelSpec parameters this config contributes."""
+        return {
+            "tile": self.tile_mn,
+            "cluster": self.cluster_mn,
+            "group": self.group_size,
+            "band_m": self.band_along_m,
+        }
+
+    @staticmethod
+    def from_spec_params(params) -> "GemmConfig":
+        """Inverse of :meth:`spec_params`, from a KernelSpec (or any mapping with those keys)."""
+        tile, cluster = params["tile"], params["cluster"]
+        return GemmConfig(tile[0], tile[1], cluster[0], cluster[1], params["group"], params["band_m"])
+
+
+Heuristic = Callable[[int, int, int, int, int], GemmConfig]
+_HEURISTICS: dict[str, Heuristic] = {}
+
+
+def register_heuristic(arch: str, heuristic: Heuristic) -> None:
+    """``heuristic(m, n, k, batch, sm_count) -> GemmConfig`` becomes the rule for ``arch``."""
+    _HEURISTICS[arch] = heuristic
+
+
+def choose_config(arch: str, m: int, n: int, k: int, batch: int = 1, sm_count: int | None = None) -> GemmConfig:
+    """The config for one problem size (sizes of one GEMM; ``batch`` GEMMs of it)."""
+    try:
+        heuristic = _HEURISTICS[arch]
+    except KeyError:
+        raise ValueError(f"no GEMM config heuristic registered for {arch!r}") from None
+    return heuristic(m, n, k, batch, sm_count or DEFAULT_SM_COUNT.get(arch, 132))
+
+
+def num_tiles(m: int, n: int, batch: int, tile_m: int, tile_n: int) -> int:
+    return -(-m // tile_m) * -(-n // tile_n) * batch
+
+
+def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int) -> GemmConfig:
+    if m <= 64:
+        tile_n = 128 if num_tiles(m, n, batch, 64, 128) >= sm_count else 64
+        return GemmConfig(64, tile_n)
+    cluster_m = 2 if m > 128 else 1
+    if 4 * num_tiles(m, n, batch, 128, 256) >= 3 * sm_count:
+        return GemmConfig(128, 256, cluster_m)
+    return GemmConfig(128, 128, cluster_m)
+
+
+register_heuristic("sm_90a", _sm90_heuristic)
