@@ -1,0 +1,602 @@
+"""Blackwell (sm_100a) GEMM with a fused bias + activation epilogue.
+
+``out[l] = act(a[l] @ b[l] + bias)``, accumulated in fp32 in tensor memory (TMEM).
+
+Warp roles inside one CTA (192 threads, persistent over output tiles):
+
+* warps 0-3, epilogue: TMEM -> registers (tcgen05.ld), bias and activation in fp32,
+  registers -> smem -> global memory with TMA stores, one sub-tile at a time;
+* warp 4, MMA: one thread issues tcgen05.mma for the whole CTA (or CTA pair);
+* warp 5, producer: TMA loads of A/B k-tiles into a multi-stage smem ring.
+
+Two accumulator buffers in TMEM let the MMA warp run tile i+1 while the epilogue
+drains tile i. With ``tile_m == 256`` a CTA pair of the cluster runs one 256-row MMA
+(cta_group::2): each CTA loads half of A's rows and half of B's columns and the
+leader CTA's MMA thread issues the instruction for both. Clusters wider than the pair
+multicast the shared operand tile to every CTA that needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass.cute.nvgpu import cpasync, tcgen05
+
+from .. import KernelFamily
+from ..common.activation import ACTIVATIONS, apply_activation
+from ..common.compile_cache import KernelSpec, get_compiled
+
+FAMILY_NAME = "gemm_sm100"
+ARCH = "sm_100a"
+
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
+
+# Warp roles; the epilogue warps must be warps 0-3 so that warp i reads TMEM lanes 32i..32i+31.
+EPILOGUE_WARPS = (0, 1, 2, 3)
+MMA_WARP = 4
+LOAD_WARP = 5
+THREADS_PER_CTA = 32 * 6
+
+# Named barriers (id 0 is __syncthreads)
+_EPILOGUE_BARRIER_ID = 1
+_TMEM_PTR_BARRIER_ID = 2
+
+SMEM_CAPACITY = 232448  # bytes per SM on sm_100
+_SMEM_RESERVED = 1024  # mbarriers and the TMEM address slot
+TMEM_COLUMNS = 512
+ACC_STAGES = 2  # accumulator buffers in TMEM: MMA of the next tile overlaps this tile's epilogue
+MMA_K_BLOCKS = 4  # tcgen05.mma instructions (k=16 for 16-bit inputs) per k-tile: 64-wide k-tiles
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """What the heuristics pick per problem; ``tile_m == 256`` means a 2-CTA MMA."""
+
+    tile_m: int
+    tile_n: int
+    cluster_m: int
+    cluster_n: int
+
+    @property
+    def two_cta(self) -> bool:
+        return self.tile_m == 256
+
+
+def _regroup_mma_modes(tensor: cute.Tensor) -> cute.Tensor:
+    """((ATOM_M, ATOM_N), MMA_M, MMA_N, ...) -> ((ATOM_M, MMA_M), (ATOM_N, MMA_N), ...).
+
+    The epilogue tiles the accumulator by (rows, cols); the MMA partitions keep the atom
+    modes apart from the repeat modes, so fold each atom mode with its repeat mode.
+    """
+    layout = tensor.layout
+    shape, stride = layout.shape, layout.stride
+    new_layout = cute.make_layout(
+        ((shape[0][0], shape[1]), (shape[0][1], shape[2]), *shape[3:]),
+        stride=((stride[0][0], stride[1]), (stride[0][1], stride[2]), *stride[3:]),
+    )
+    return cute.make_tensor(tensor.iterator, new_layout)
+
+
+class GemmSm100:
+    """One compiled variant: dtypes, majorness (read from the tensors), epilogue, tile config."""
+
+    def __init__(self, ab_dtype, out_dtype, bias_dtype, activation, config: TileConfig):
+        self.ab_dtype = ab_dtype
+        self.out_dtype = out_dtype
+        self.bias_dtype = bias_dtype  # None: no bias
+        self.activation = activation
+        self.acc_dtype = cutlass.Float32
+        self.config = config
+        self.two_cta = config.two_cta
+        self.cta_group = tcgen05.CtaGroup.TWO if self.two_cta else tcgen05.CtaGroup.ONE
+        self.cluster_shape_mnk = (config.cluster_m, config.cluster_n, 1)
+        self.mma_tiler_mn = (config.tile_m, config.tile_n)
+
+    # ------------------------------------------------------------------ host side
+    def _plan(self, a_major, b_major, out_layout):
+        """Compile-time layouts, stage counts and TMEM size for this variant."""
+        self.tiled_mma = sm100_utils.make_trivial_tiled_mma(
+            self.ab_dtype, a_major, b_major, self.acc_dtype, self.cta_group, self.mma_tiler_mn
+        )
+        mma_inst_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
+        self.mma_tiler = (*self.mma_tiler_mn, mma_inst_k * MMA_K_BLOCKS)
+        ctas_per_mma = cute.size(self.tiled_mma.thr_id.shape)
+        self.cta_tile_mnk = (self.mma_tiler[0] // ctas_per_mma, *self.mma_tiler[1:])
+        # (V, M, N, K): V is the CTA's place inside its MMA pair
+        self.cluster_layout_vmnk = cute.tiled_divide(
+            cute.make_layout(self.cluster_shape_mnk), (self.tiled_mma.thr_id.shape,)
+        )
+        self.mcast_ctas_a = cute.size(self.cluster_layout_vmnk.shape[2])
+        self.mcast_ctas_b = cute.size(self.cluster_layout_vmnk.shape[1])
+        self.ctas_per_mma = ctas_per_mma
+
+        self.out_layout = out_layout
+        self.epi_tile = sm100_utils.compute_epilogue_tile_shape(
+            self.cta_tile_mnk, self.two_cta, out_layout, self.out_dtype
+        )
+        a_one = sm100_utils.make_smem_layout_a(self.tiled_mma, self.mma_tiler, self.ab_dtype, 1)
+        b_one = sm100_utils.make_smem_layout_b(self.tiled_mma, self.mma_tiler, self.ab_dtype, 1)
+        epi_one = sm100_utils.make_smem_layout_epi(self.out_dtype, out_layout, self.epi_tile, 1)
+        ab_stage_bytes = cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(
+            self.ab_dtype, b_one
+        )
+        epi_stage_bytes = cute.size_in_bytes(self.out_dtype, epi_one)
+        self.epi_stages = 2
+        self.ab_stages = (
+            SMEM_CAPACITY - _SMEM_RESERVED - self.epi_stages * epi_stage_bytes
+        ) // ab_stage_bytes
+        # leftover smem deepens the store ring: more stores in flight before a wait
+        self.epi_stages += (
+            SMEM_CAPACITY
+            - _SMEM_RESERVED
+            - self.ab_stages * ab_stage_bytes
+            - self.epi_stages * epi_stage_bytes
+        ) // epi_stage_bytes
+        self.a_smem_staged = sm100_utils.make_smem_layout_a(
+            self.tiled_mma, self.mma_tiler, self.ab_dtype, self.ab_stages
+        )
+        self.b_smem_staged = sm100_utils.make_smem_layout_b(
+            self.tiled_mma, self.mma_tiler, self.ab_dtype, self.ab_stages
+        )
+        self.epi_smem_staged = sm100_utils.make_smem_layout_epi(
+            self.out_dtype, out_layout, self.epi_tile, self.epi_stages
+        )
+        # A/B bytes landing per stage on the leader CTA's barrier (both CTAs of a pair)
+        self.tma_bytes_per_stage = ab_stage_bytes * ctas_per_mma
+        self.tmem_cols = cutlass.memory.get_num_tmem_alloc_cols(
+            self._acc_buffers(self.tiled_mma), arch="sm_100"
+        )
+        assert self.tmem_cols <= TMEM_COLUMNS
+
+    def _acc_buffers(self, tiled_mma):
+        """A TMEM tensor (MMA, MMA_M, MMA_N, ACC_STAGE) without an address yet."""
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        return tiled_mma.make_fragment_C(cute.append(acc_shape, ACC_STAGES))
+
+    @cute.jit
+    def __call__(
+        self,
+        mA_lmk: cute.Tensor,
+        mB_lkn: cute.Tensor,
+        mBias: cute.Tensor | None,
+        mOut_lmn: cute.Tensor,
+        max_clusters: cutlass.Int32,
+        stream,
+    ):
+        # torch's (L, M, K) / (L, K, N) / (L, M, N) -> CuTe's (M, K, L) / (N, K, L) / (M, N, L)
+        mA = cute.make_tensor(mA_lmk.iterator, cute.select(mA_lmk.layout, mode=[1, 2, 0]))
+        mB = cute.make_tensor(mB_lkn.iterator, cute.select(mB_lkn.layout, mode=[2, 1, 0]))
+        mOut = cute.make_tensor(mOut_lmn.iterator, cute.select(mOut_lmn.layout, mode=[1, 2, 0]))
+        self._plan(
+            utils.LayoutEnum.from_tensor(mA).mma_major_mode(),
+            utils.LayoutEnum.from_tensor(mB).mma_major_mode(),
+            utils.LayoutEnum.from_tensor(mOut),
+        )
+        tiled_mma = self.tiled_mma
+
+        tma_a, tma_mA = cute.nvgpu.make_tiled_tma_atom_A(
+            sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mnk[:2], tiled_mma.thr_id),
+            mA,
+            cute.slice_(self.a_smem_staged, (None, None, None, 0)),
+            self.mma_tiler,
+            tiled_mma,
+            self.cluster_layout_vmnk.shape,
+        )
+        tma_b, tma_mB = cute.nvgpu.make_tiled_tma_atom_B(
+            sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mnk[:2], tiled_mma.thr_id),
+            mB,
+            cute.slice_(self.b_smem_staged, (None, None, None, 0)),
+            self.mma_tiler,
+            tiled_mma,
+            self.cluster_layout_vmnk.shape,
+        )
+        tma_out, tma_mOut = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(),
+            mOut,
+            cute.select(self.epi_smem_staged, mode=[0, 1]),
+            self.epi_tile,
+        )
+
+        # Persistent grid: (cluster_m, cluster_n, clusters that fit on the device)
+        tiles_mnl = cute.zipped_divide(mOut, tiler=self.cta_tile_mnk[:2])[(0, (None, None, None))].shape
+        sched_params = utils.PersistentTileSchedulerParams(tiles_mnl, self.cluster_shape_mnk)
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, max_clusters)
+
+        self.kernel(
+            tiled_mma,
+            tma_a,
+            tma_mA,
+            tma_b,
+            tma_mB,
+            tma_out,
+            tma_mOut,
+            mOut,
+            mBias,
+            self.cluster_layout_vmnk,
+            self.a_smem_staged,
+            self.b_smem_staged,
+            self.epi_smem_staged,
+            self.epi_tile,
+            sched_params,
+        ).launch(
+            grid=grid,
+            block=[THREADS_PER_CTA, 1, 1],
+            cluster=self.cluster_shape_mnk,
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_out: cute.CopyAtom,
+        mOut_tma: cute.Tensor,
+        mOut: cute.Tensor,
+        mBias: cute.Tensor | None,
+        cluster_layout_vmnk: cute.Layout,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        epi_smem_staged: cute.ComposedLayout,
+        epi_tile: cute.Tile,
+        sched_params: utils.PersistentTileSchedulerParams,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == LOAD_WARP:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_out)
+
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cta_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank)
+        # the CTA's half of the MMA pair (always 0 without 2-CTA MMA)
+        mma_half = cute.arch.block_idx()[0] % cute.size(tiled_mma.thr_id.shape)
+        is_leader_cta = mma_half == 0
+
+        @cute.struct
+        class SharedStorage:
+            ab_mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            acc_mbar: cute.struct.MemRange[cutlass.Int64, ACC_STAGES * 2]
+            tmem_dealloc_mbar: cutlass.Int64
+            tmem_addr: cutlass.Int32
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+
+        # A/B ring: TMA (producer thread, leader CTA's barrier) -> tcgen05.mma (consumer)
+        ab_pipe = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_mbar.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.mcast_ctas_a + self.mcast_ctas_b - 1
+            ),
+            tx_count=self.tma_bytes_per_stage,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        # accumulator buffers: tcgen05.commit (producer) -> epilogue warps of both CTAs of a pair
+        acc_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_mbar.data_ptr(),
+            num_stages=ACC_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread,
+                len(EPILOGUE_WARPS) * cute.size(tiled_mma.thr_id.shape),
+            ),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        tmem = cutlass.memory.TmemAllocator(
+            storage.tmem_addr.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                barrier_id=_TMEM_PTR_BARRIER_ID,
+                num_threads=32 * (len(EPILOGUE_WARPS) + 1),
+            ),
+            allocator_warp_id=EPILOGUE_WARPS[0],
+            is_two_cta=self.two_cta,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
+        )
+        # barrier inits must be visible cluster-wide before any peer arrives on them
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+
+        sA = smem.allocate_tensor(
+            element_type=self.ab_dtype,
+            layout=a_smem_staged.outer,
+            byte_alignment=128,
+            swizzle=a_smem_staged.inner,
+        )
+        sB = smem.allocate_tensor(
+            element_type=self.ab_dtype,
+            layout=b_smem_staged.outer,
+            byte_alignment=128,
+            swizzle=b_smem_staged.inner,
+        )
+        sOut = smem.allocate_tensor(
+            element_type=self.out_dtype,
+            layout=epi_smem_staged.outer,
+            byte_alignment=128,
+            swizzle=epi_smem_staged.inner,
+        )
+
+        # Global tiles: (bM, bK, RestM, RestK, RestL), (bN, bK, RestN, RestK, RestL), ...
+        gA = cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
+        gOut = cute.local_tile(
+            mOut_tma, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
+        )
+        cOut = cute.local_tile(
+            cute.make_identity_tensor(mOut.shape),
+            cute.slice_(self.mma_tiler, (None, None, 0)),
+            (None, None, None),
+        )
+        thr_mma = tiled_mma.get_slice(mma_half)
+        tCgA = thr_mma.partition_A(gA)  # (MMA, MMA_M, MMA_K, RestM, RestK, RestL)
+        tCgB = thr_mma.partition_B(gB)  # (MMA, MMA_N, MMA_K, RestN, RestK, RestL)
+        tCgOut = thr_mma.partition_C(gOut)  # (MMA, MMA_M, MMA_N, RestM, RestN, RestL)
+        tCcOut = thr_mma.partition_C(cOut)
+
+        # TMA views; A is multicast along the cluster's N mode, B along its M mode
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a,
+            cta_coord_vmnk[2],
+            cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape),
+            cute.group_modes(sA, 0, 3),
+            cute.group_modes(tCgA, 0, 3),
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b,
+            cta_coord_vmnk[1],
+            cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 3),
+            cute.group_modes(tCgB, 0, 3),
+        )
+        tCrA = tiled_mma.make_fragment_A(sA)  # smem descriptors (MMA, MMA_M, MMA_K, STAGE)
+        tCrB = tiled_mma.make_fragment_B(sB)
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
+
+        scheduler = utils.StaticPersistentTileScheduler.create(
+            sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+        )
+        k_tiles = cute.size(gA, mode=[3])
+        acc_layout = self._acc_buffers(tiled_mma).layout
+
+        if warp_idx == LOAD_WARP:
+            self.load_ab(
+                scheduler, ab_pipe, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB,
+                cluster_layout_vmnk, cta_coord_vmnk, k_tiles,
+            )
+        if warp_idx == MMA_WARP:
+            tmem.wait_for_alloc()
+            tCtAcc = cute.make_tensor(tmem.retrieve_ptr(self.acc_dtype), acc_layout)
+            self.issue_mma(
+                scheduler, ab_pipe, acc_pipe, tiled_mma, tCrA, tCrB, tCtAcc, is_leader_cta, k_tiles
+            )
+        if warp_idx < MMA_WARP:
+            tmem.allocate(self.tmem_cols)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc = cute.make_tensor(tmem_ptr, acc_layout)
+            self.epilogue(
+                scheduler, acc_pipe, tCtAcc, tCgOut, tCcOut, sOut, tma_out, mOut, mBias,
+                epi_tile, warp_idx,
+            )
+            tmem.relinquish_alloc_permit()
+            tmem.free(tmem_ptr)
+
+    @cute.jit
+    def _mma_tile_coord(self, work_tile):
+        """(m, n, l) of the MMA tile: a CTA pair shares one 256-row MMA tile."""
+        tile = work_tile.tile_idx
+        return (tile[0] // self.ctas_per_mma, tile[1], tile[2])
+
+    @cute.jit
+    def load_ab(self, scheduler, ab_pipe, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB,
+                cluster_layout_vmnk, cta_coord_vmnk, k_tiles):
+        mask_a = None
+        mask_b = None
+        if cutlass.const_expr(self.mcast_ctas_a > 1 or self.mcast_ctas_b > 1 or self.two_cta):
+            mask_a = cpasync.create_tma_multicast_mask(
+                cluster_layout_vmnk, cta_coord_vmnk, mcast_mode=2
+            )
+            mask_b = cpasync.create_tma_multicast_mask(
+                cluster_layout_vmnk, cta_coord_vmnk, mcast_mode=1
+            )
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        work_tile = scheduler.initial_work_tile_info()
+        while work_tile.is_valid_tile:
+            m, n, l = self._mma_tile_coord(work_tile)
+            tAgA_k = tAgA[(None, m, None, l)]  # ((atom_v, rest_v), RestK)
+            tBgB_k = tBgB[(None, n, None, l)]
+            for k in cutlass.range(k_tiles, unroll=1):
+                ab_pipe.producer_acquire(state)
+                barrier = ab_pipe.producer_get_barrier(state)
+                cute.copy(tma_a, tAgA_k[(None, k)], tAsA[(None, state.index)],
+                          tma_bar_ptr=barrier, mcast_mask=mask_a)
+                cute.copy(tma_b, tBgB_k[(None, k)], tBsB[(None, state.index)],
+                          tma_bar_ptr=barrier, mcast_mask=mask_b)
+                state.advance()
+            scheduler.advance_to_next_work()
+            work_tile = scheduler.get_current_work()
+        ab_pipe.producer_tail(state)  # no CTA exits while its smem can still be written
+
+    @cute.jit
+    def issue_mma(self, scheduler, ab_pipe, acc_pipe, tiled_mma, tCrA, tCrB, tCtAcc, is_leader_cta, k_tiles):
+        ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ACC_STAGES)
+        work_tile = scheduler.initial_work_tile_info()
+        while work_tile.is_valid_tile:
+            if is_leader_cta:  # the pair's MMA is issued from the leader CTA only
+                tCtAcc_buf = tCtAcc[(None, None, None, acc_state.index)]
+                acc_pipe.producer_acquire(acc_state)  # epilogue done with this buffer
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                for k in cutlass.range(k_tiles, unroll=1):
+                    ab_pipe.consumer_wait(ab_state)
+                    for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+                        stage_kb = (None, None, kb, ab_state.index)
+                        cute.gemm(tiled_mma, tCtAcc_buf, tCrA[stage_kb], tCrB[stage_kb], tCtAcc_buf)
+                        tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                    ab_pipe.consumer_release(ab_state)  # tcgen05.commit frees the stage
+                    ab_state.advance()
+                acc_pipe.producer_commit(acc_state)  # tcgen05.commit: accumulator ready
+            acc_state.advance()
+            scheduler.advance_to_next_work()
+            work_tile = scheduler.get_current_work()
+        acc_pipe.producer_tail(acc_state)
+
+    @cute.jit
+    def epilogue(self, scheduler, acc_pipe, tCtAcc, tCgOut, tCcOut, sOut, tma_out, mOut, mBias,
+                 epi_tile, warp_idx):
+        tidx = cute.arch.thread_idx()[0]
+        # TMEM -> registers: warp w reads lanes 32w..32w+31 (the tile's rows)
+        tAcc = _regroup_mma_modes(tCtAcc)  # (TILE_M, TILE_N, ACC_STAGE)
+        tAcc_epi = cute.flat_divide(tAcc, epi_tile)  # (EPI_M, EPI_N, n_m, n_n, ACC_STAGE)
+        t2r_atom = sm100_utils.get_tmem_load_op(
+            self.cta_tile_mnk, self.out_layout, self.out_dtype, self.acc_dtype, epi_tile, self.two_cta
+        )
+        tiled_t2r = tcgen05.make_tmem_copy(t2r_atom, tAcc_epi[(None, None, 0, 0, 0)])
+        thr_t2r = tiled_t2r.get_slice(tidx)
+        tTR_tAcc = thr_t2r.partition_S(tAcc_epi)  # (T2R, T2R_M, T2R_N, n_m, n_n, ACC_STAGE)
+        gOut_epi = cute.flat_divide(_regroup_mma_modes(tCgOut), epi_tile)
+        cOut_epi = cute.flat_divide(_regroup_mma_modes(tCcOut), epi_tile)
+        tTR_cOut = thr_t2r.partition_D(cOut_epi)  # (T2R, T2R_M, T2R_N, n_m, n_n, RestM, RestN, RestL)
+        tTR_rAcc = cute.make_rmem_tensor(tTR_cOut[(None, None, None, 0, 0, 0, 0, 0)].shape, self.acc_dtype)
+        tTR_rOut = cute.make_rmem_tensor(tTR_rAcc.shape, self.out_dtype)
+        # registers -> smem
+        r2s_atom = sm100_utils.get_smem_store_op(self.out_layout, self.out_dtype, self.acc_dtype, tiled_t2r)
+        tiled_r2s = cute.make_tiled_copy_D(r2s_atom, tiled_t2r)
+        tRS_sOut = tiled_r2s.get_slice(tidx).partition_D(sOut)  # (R2S, R2S_M, R2S_N, EPI_STAGE)
+        tRS_rOut = tiled_r2s.retile(tTR_rOut)
+        # smem -> global (one thread issues the bulk tensor store)
+        bSG_sOut, bSG_gOut = cpasync.tma_partition(
+            tma_out, 0, cute.make_layout(1), cute.group_modes(sOut, 0, 2), cute.group_modes(gOut_epi, 0, 2)
+        )
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(EPILOGUE_WARPS)),
+        )
+        epi_barrier = pipeline.NamedBarrier(
+            barrier_id=_EPILOGUE_BARRIER_ID, num_threads=32 * len(EPILOGUE_WARPS)
+        )
+        n_last = mOut.shape[1] - 1
+
+        acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ACC_STAGES)
+        subtiles = cute.size(tTR_tAcc, mode=[3]) * cute.size(tTR_tAcc, mode=[4])
+        store_count = cutlass.Int32(0)
+        work_tile = scheduler.initial_work_tile_info()
+        while work_tile.is_valid_tile:
+            m, n, l = self._mma_tile_coord(work_tile)
+            tTR_tAcc_tile = cute.group_modes(tTR_tAcc[(None, None, None, None, None, acc_state.index)], 3, 5)
+            tTR_cOut_tile = cute.group_modes(tTR_cOut[(None, None, None, None, None, m, n, l)], 3, 5)
+            bSG_gOut_tile = cute.group_modes(bSG_gOut[(None, None, None, m, n, l)], 1, 3)
+            acc_pipe.consumer_wait(acc_state)
+            for sub in cutlass.range_constexpr(subtiles):
+                cute.copy(tiled_t2r, tTR_tAcc_tile[(None, None, None, sub)], tTR_rAcc)
+                cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before reading registers
+                if cutlass.const_expr(sub == subtiles - 1):
+                    # this warp's TMEM reads are done: hand the buffer back to the MMA warp
+                    with cute.arch.elect_one():
+                        acc_pipe.consumer_release(acc_state)
+                    acc_state.advance()
+                if cutlass.const_expr(mBias is not None):
+                    tTR_cOut_sub = tTR_cOut_tile[(None, None, None, sub)]
+                    for i in cutlass.range_constexpr(cute.size(tTR_rAcc)):
+                        # columns past N are clipped by the TMA store; clamp only to stay in bounds
+                        col = cutlass.min(tTR_cOut_sub[i][1], n_last)
+                        tTR_rAcc[i] = tTR_rAcc[i] + mBias[col].to(self.acc_dtype)
+                apply_activation(tTR_rAcc, self.activation)
+                tTR_rOut.store(tTR_rAcc.load().to(self.out_dtype))
+                buf = store_count % self.epi_stages
+                cute.copy(tiled_r2s, tRS_rOut, tRS_sOut[(None, None, None, buf)])
+                # st.shared results must be visible to the async (TMA) proxy
+                cute.arch.fence_proxy("async.shared", space="cta")
+                epi_barrier.arrive_and_wait()
+                if warp_idx == EPILOGUE_WARPS[0]:
+                    cute.copy(tma_out, bSG_sOut[(None, buf)], bSG_gOut_tile[(None, sub)])
+                    store_pipe.producer_commit()
+                    store_pipe.producer_acquire()  # the next buffer's old store has read smem
+                epi_barrier.arrive_and_wait()
+                store_count += 1
+            scheduler.advance_to_next_work()
+            work_tile = scheduler.get_current_work()
+        if warp_idx == EPILOGUE_WARPS[0]:
+            store_pipe.producer_tail()
+        epi_barrier.arrive_and_wait()
+
+
+# ---------------------------------------------------------------------- variants
+def make_spec(ab: str, out: str, bias: str | None, activation: str | None, a_major: str,
+              b_major: str, config: TileConfig) -> KernelSpec:
+    """``a_major`` is "k" or "m" (A is (L, M, K)); ``b_major`` is "n" or "k" (B is (L, K, N))."""
+    return KernelSpec.make(
+        FAMILY_NAME, ARCH, ab=ab, out=out, bias=bias, activation=activation,
+        a_major=a_major, b_major=b_major,
+        tile=(config.tile_m, config.tile_n), cluster=(config.cluster_m, config.cluster_n),
+    )
+
+
+def _fake_operand(dtype, unit_stride_mode: int):
+    """A fake (L, R, C) tensor whose ``unit_stride_mode`` (1 or 2) is contiguous.
+
+    Sizes are symbolic (no recompile per shape); the other strides carry the 16-byte
+    divisibility TMA needs.
+    """
+    elems_16b = 128 // dtype.width
+    strides = [cute.sym_int64(divisibility=elems_16b) for _ in range(3)]
+    strides[unit_stride_mode] = 1
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
+    return cute.runtime.make_fake_tensor(dtype, shape, tuple(strides), assumed_align=16)
+
+
+def build(spec: KernelSpec):
+    ab, out, bias = _DTYPES[spec["ab"]], _DTYPES[spec["out"]], spec["bias"]
+    config = TileConfig(*spec["tile"], *spec["cluster"])
+    kernel = GemmSm100(ab, out, _DTYPES[bias] if bias else None, spec["activation"], config)
+    fake_bias = None
+    if bias:
+        fake_bias = cute.runtime.make_fake_tensor(
+            _DTYPES[bias], (cute.sym_int32(),), (1,), assumed_align=_DTYPES[bias].width // 8
+        )
+    fake_args = (
+        _fake_operand(ab, 2 if spec["a_major"] == "k" else 1),
+        _fake_operand(ab, 2 if spec["b_major"] == "n" else 1),
+        fake_bias,
+        _fake_operand(out, 2),
+        cutlass.Int32(1),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return kernel, fake_args
+
+
+# A handful of variants: 1-CTA and 2-CTA (with multicast), plain and fused epilogues,
+# the two common majorness combinations (row-major x row-major, row-major x nn.Linear weight).
+SHIPPED_CONFIGS = {
+    "1cta": TileConfig(128, 256, 1, 1),
+    "2cta": TileConfig(256, 256, 2, 1),
+    "2cta_mcast": TileConfig(256, 256, 4, 1),
+}
+
+
+def shipped(arch: str):
+    if arch != ARCH:
+        return []
+    return [
+        make_spec("bf16", "bf16", None, None, "k", "n", SHIPPED_CONFIGS["1cta"]),
+        make_spec("bf16", "bf16", "bf16", "gelu_tanh", "k", "k", SHIPPED_CONFIGS["1cta"]),
+        make_spec("bf16", "bf16", None, None, "k", "n", SHIPPED_CONFIGS["2cta"]),
+        make_spec("bf16", "bf16", "bf16", "relu", "k", "k", SHIPPED_CONFIGS["2cta"]),
+        make_spec("fp16", "fp32", None, "silu", "m", "n", SHIPPED_CONFIGS["2cta_mcast"]),
+    ]
+
+
+FAMILY = KernelFamily(FAMILY_NAME, ARCH, shipped, build)
