@@ -18,8 +18,6 @@ multicast the shared operand tile to every CTA that needs it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -30,6 +28,8 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from .. import KernelFamily
 from ..common.activation import ACTIVATIONS, apply_activation
 from ..common.compile_cache import KernelSpec, get_compiled
+from ..common.gemm_config import GemmConfig
+from ..common.tile_scheduler import PersistentTileScheduler
 
 FAMILY_NAME = "gemm_sm100"
 ARCH = "sm_100a"
@@ -53,18 +53,9 @@ ACC_STAGES = 2  # accumulator buffers in TMEM: MMA of the next tile overlaps thi
 MMA_K_BLOCKS = 4  # tcgen05.mma instructions (k=16 for 16-bit inputs) per k-tile: 64-wide k-tiles
 
 
-@dataclass(frozen=True)
-class TileConfig:
-    """What the heuristics pick per problem; ``tile_m == 256`` means a 2-CTA MMA."""
-
-    tile_m: int
-    tile_n: int
-    cluster_m: int
-    cluster_n: int
-
-    @property
-    def two_cta(self) -> bool:
-        return self.tile_m == 256
+def is_two_cta(config: GemmConfig) -> bool:
+    """On sm_100 ``config.tile_m`` is the MMA tile: 256 rows are one 2-CTA MMA of a CTA pair."""
+    return config.tile_m == 256
 
 
 def _regroup_mma_modes(tensor: cute.Tensor) -> cute.Tensor:
@@ -85,14 +76,14 @@ def _regroup_mma_modes(tensor: cute.Tensor) -> cute.Tensor:
 class GemmSm100:
     """One compiled variant: dtypes, majorness (read from the tensors), epilogue, tile config."""
 
-    def __init__(self, ab_dtype, out_dtype, bias_dtype, activation, config: TileConfig):
+    def __init__(self, ab_dtype, out_dtype, bias_dtype, activation, config: GemmConfig):
         self.ab_dtype = ab_dtype
         self.out_dtype = out_dtype
         self.bias_dtype = bias_dtype  # None: no bias
         self.activation = activation
         self.acc_dtype = cutlass.Float32
         self.config = config
-        self.two_cta = config.two_cta
+        self.two_cta = is_two_cta(config)
         self.cta_group = tcgen05.CtaGroup.TWO if self.two_cta else tcgen05.CtaGroup.ONE
         self.cluster_shape_mnk = (config.cluster_m, config.cluster_n, 1)
         self.mma_tiler_mn = (config.tile_m, config.tile_n)
@@ -203,9 +194,7 @@ class GemmSm100:
         )
 
         # Persistent grid: (cluster_m, cluster_n, clusters that fit on the device)
-        tiles_mnl = cute.zipped_divide(mOut, tiler=self.cta_tile_mnk[:2])[(0, (None, None, None))].shape
-        sched_params = utils.PersistentTileSchedulerParams(tiles_mnl, self.cluster_shape_mnk)
-        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, max_clusters)
+        grid = self._scheduler(mOut).grid_shape(max_clusters)
 
         self.kernel(
             tiled_mma,
@@ -222,7 +211,6 @@ class GemmSm100:
             self.b_smem_staged,
             self.epi_smem_staged,
             self.epi_tile,
-            sched_params,
         ).launch(
             grid=grid,
             block=[THREADS_PER_CTA, 1, 1],
@@ -248,7 +236,6 @@ class GemmSm100:
         b_smem_staged: cute.ComposedLayout,
         epi_smem_staged: cute.ComposedLayout,
         epi_tile: cute.Tile,
-        sched_params: utils.PersistentTileSchedulerParams,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == LOAD_WARP:
@@ -365,9 +352,7 @@ class GemmSm100:
 
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
 
-        scheduler = utils.StaticPersistentTileScheduler.create(
-            sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
-        )
+        scheduler = self._scheduler(mOut)
         k_tiles = cute.size(gA, mode=[3])
         acc_layout = self._acc_buffers(tiled_mma).layout
 
@@ -394,11 +379,20 @@ class GemmSm100:
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr)
 
-    @cute.jit
-    def _mma_tile_coord(self, work_tile):
-        """(m, n, l) of the MMA tile: a CTA pair shares one 256-row MMA tile."""
-        tile = work_tile.tile_idx
-        return (tile[0] // self.ctas_per_mma, tile[1], tile[2])
+    def _scheduler(self, mOut: cute.Tensor) -> PersistentTileScheduler:
+        """The shared persistent scheduler over CTA tiles; built alike on host and device."""
+        return PersistentTileScheduler.create(
+            mOut.shape,
+            self.cta_tile_mnk[:2],
+            self.cluster_shape_mnk[:2],
+            self.config.group_size,
+            self.config.band_along_m,
+        )
+
+    def _mma_tile_coord(self, scheduler: PersistentTileScheduler, work_idx):
+        """(m, n, l) of the MMA tile: the two CTAs of a pair share one 256-row MMA tile."""
+        m, n, l = scheduler.tile_coord(work_idx)
+        return (m // self.ctas_per_mma, n, l)
 
     @cute.jit
     def load_ab(self, scheduler, ab_pipe, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB,
@@ -413,9 +407,9 @@ class GemmSm100:
                 cluster_layout_vmnk, cta_coord_vmnk, mcast_mode=1
             )
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        work_tile = scheduler.initial_work_tile_info()
-        while work_tile.is_valid_tile:
-            m, n, l = self._mma_tile_coord(work_tile)
+        work_idx, num_work_units = scheduler.first_work_idx(), scheduler.num_work_units
+        while work_idx < num_work_units:
+            m, n, l = self._mma_tile_coord(scheduler, work_idx)
             tAgA_k = tAgA[(None, m, None, l)]  # ((atom_v, rest_v), RestK)
             tBgB_k = tBgB[(None, n, None, l)]
             for k in cutlass.range(k_tiles, unroll=1):
@@ -426,16 +420,15 @@ class GemmSm100:
                 cute.copy(tma_b, tBgB_k[(None, k)], tBsB[(None, state.index)],
                           tma_bar_ptr=barrier, mcast_mask=mask_b)
                 state.advance()
-            scheduler.advance_to_next_work()
-            work_tile = scheduler.get_current_work()
+            work_idx += scheduler.work_stride()
         ab_pipe.producer_tail(state)  # no CTA exits while its smem can still be written
 
     @cute.jit
     def issue_mma(self, scheduler, ab_pipe, acc_pipe, tiled_mma, tCrA, tCrB, tCtAcc, is_leader_cta, k_tiles):
         ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, ACC_STAGES)
-        work_tile = scheduler.initial_work_tile_info()
-        while work_tile.is_valid_tile:
+        work_idx, num_work_units = scheduler.first_work_idx(), scheduler.num_work_units
+        while work_idx < num_work_units:
             if is_leader_cta:  # the pair's MMA is issued from the leader CTA only
                 tCtAcc_buf = tCtAcc[(None, None, None, acc_state.index)]
                 acc_pipe.producer_acquire(acc_state)  # epilogue done with this buffer
@@ -450,8 +443,7 @@ class GemmSm100:
                     ab_state.advance()
                 acc_pipe.producer_commit(acc_state)  # tcgen05.commit: accumulator ready
             acc_state.advance()
-            scheduler.advance_to_next_work()
-            work_tile = scheduler.get_current_work()
+            work_idx += scheduler.work_stride()
         acc_pipe.producer_tail(acc_state)
 
     @cute.jit
@@ -493,9 +485,9 @@ class GemmSm100:
         acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ACC_STAGES)
         subtiles = cute.size(tTR_tAcc, mode=[3]) * cute.size(tTR_tAcc, mode=[4])
         store_count = cutlass.Int32(0)
-        work_tile = scheduler.initial_work_tile_info()
-        while work_tile.is_valid_tile:
-            m, n, l = self._mma_tile_coord(work_tile)
+        work_idx, num_work_units = scheduler.first_work_idx(), scheduler.num_work_units
+        while work_idx < num_work_units:
+            m, n, l = self._mma_tile_coord(scheduler, work_idx)
             tTR_tAcc_tile = cute.group_modes(tTR_tAcc[(None, None, None, None, None, acc_state.index)], 3, 5)
             tTR_cOut_tile = cute.group_modes(tTR_cOut[(None, None, None, None, None, m, n, l)], 3, 5)
             bSG_gOut_tile = cute.group_modes(bSG_gOut[(None, None, None, m, n, l)], 1, 3)
@@ -527,8 +519,7 @@ class GemmSm100:
                     store_pipe.producer_acquire()  # the next buffer's old store has read smem
                 epi_barrier.arrive_and_wait()
                 store_count += 1
-            scheduler.advance_to_next_work()
-            work_tile = scheduler.get_current_work()
+            work_idx += scheduler.work_stride()
         if warp_idx == EPILOGUE_WARPS[0]:
             store_pipe.producer_tail()
         epi_barrier.arrive_and_wait()
@@ -536,12 +527,11 @@ class GemmSm100:
 
 # ---------------------------------------------------------------------- variants
 def make_spec(ab: str, out: str, bias: str | None, activation: str | None, a_major: str,
-              b_major: str, config: TileConfig) -> KernelSpec:
+              b_major: str, config: GemmConfig) -> KernelSpec:
     """``a_major`` is "k" or "m" (A is (L, M, K)); ``b_major`` is "n" or "k" (B is (L, K, N))."""
     return KernelSpec.make(
         FAMILY_NAME, ARCH, ab=ab, out=out, bias=bias, activation=activation,
-        a_major=a_major, b_major=b_major,
-        tile=(config.tile_m, config.tile_n), cluster=(config.cluster_m, config.cluster_n),
+        a_major=a_major, b_major=b_major, **config.spec_params(),
     )
 
 
@@ -560,7 +550,7 @@ def _fake_operand(dtype, unit_stride_mode: int):
 
 def build(spec: KernelSpec):
     ab, out, bias = _DTYPES[spec["ab"]], _DTYPES[spec["out"]], spec["bias"]
-    config = TileConfig(*spec["tile"], *spec["cluster"])
+    config = GemmConfig.from_spec_params(spec)
     kernel = GemmSm100(ab, out, _DTYPES[bias] if bias else None, spec["activation"], config)
     fake_bias = None
     if bias:
@@ -581,9 +571,9 @@ def build(spec: KernelSpec):
 # A handful of variants: 1-CTA and 2-CTA (with multicast), plain and fused epilogues,
 # the two common majorness combinations (row-major x row-major, row-major x nn.Linear weight).
 SHIPPED_CONFIGS = {
-    "1cta": TileConfig(128, 256, 1, 1),
-    "2cta": TileConfig(256, 256, 2, 1),
-    "2cta_mcast": TileConfig(256, 256, 4, 1),
+    "1cta": GemmConfig(128, 256),
+    "2cta": GemmConfig(256, 256, 2, 1),
+    "2cta_mcast": GemmConfig(256, 256, 4, 1),
 }
 
 
