@@ -96,3 +96,23 @@ def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int) -> GemmCo
 
 
 register_heuristic("sm_90a", _sm90_heuristic)
+
+
+# ---- Blackwell (sm_100a) ---------------------------------------------------------------
+# Here ``tile_m`` is the tcgen05 MMA tile: 256 rows are one 2-CTA MMA (cta_group::2) run by
+# the CTA pair of a cluster, each CTA owning 128 rows and loading half of the B tile.
+# Untuned (no Blackwell GPU was available): the rules only follow the tile counts.
+
+def _sm100_heuristic(m: int, n: int, k: int, batch: int, sm_count: int) -> GemmConfig:
+    pairs = sm_count // 2
+    if m > 128 and 4 * num_tiles(m, n, batch, 256, 256) >= 3 * pairs:
+        # tall problems: a 4x1 cluster also multicasts each B tile to both pairs of a column
+        return GemmConfig(256, 256, 4 if m >= 2048 else 2, 1)
+    if 4 * num_tiles(m, n, batch, 128, 256) >= 3 * sm_count:
+        return GemmConfig(128, 256)
+    if 2 * num_tiles(m, n, batch, 128, 128) >= sm_count:
+        return GemmConfig(128, 128)
+    return GemmConfig(128, 64)  # small problems: more, narrower CTAs to spread B's reads
+
+
+register_heuristic("sm_100a", _sm100_heuristic)
