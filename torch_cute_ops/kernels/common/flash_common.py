@@ -1,0 +1,350 @@
+"""Pieces shared by the attention kernels (forward and backward, sm90).
+
+* accumulator views: a WGMMA accumulator fragment seen as (rows, cols) and as
+  the A operand of a register-sourced WGMMA (P in registers for O += P V);
+* :class:`KeyRange`: which key blocks a query block visits (causal is bottom-right
+  aligned: query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``) and which
+  of them need a mask;
+* :func:`mask_scores`: -inf outside the causal band and past ``seqlen_k``;
+* :class:`OnlineSoftmax`: running row max / row sum in fp32 with exp2 and the
+  softmax scale folded into one FFMA per score;
+* :class:`AttentionTileScheduler`: a static persistent scheduler over
+  (query block, head, batch) tiles that orders causal tiles longest-first and
+  keeps the heads in flight few enough for their K/V to stay in L2.
+
+Everything here is a ``cute.jit`` helper or a plain Python object of DSL values;
+nothing launches on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+# K/V bytes of the heads that are worked on at the same time are kept under this,
+# so that the query blocks of one head reuse its K/V from L2 (H100/H200: 50 MB).
+L2_KV_BUDGET_BYTES = 16 * 1024 * 1024
+
+
+class DslState:
+    """Lets a helper object live across dynamic ``while``/``range`` loops.
+
+    The DSL carries loop state as MLIR values; the attributes named in
+    ``dynamic_fields`` (DSL scalars or register tensors) become those values, the
+    others stay compile-time constants.
+    """
+
+    dynamic_fields: tuple = ()
+
+    def __extract_mlir_values__(self):
+        values, self._value_counts = [], []
+        for name in self.dynamic_fields:
+            field_values = cutlass.extract_mlir_values(getattr(self, name))
+            values += field_values
+            self._value_counts.append(len(field_values))
+        return values
+
+    def __new_from_mlir_values__(self, values):
+        new = copy.copy(self)
+        for name, count in zip(self.dynamic_fields, self._value_counts):
+            setattr(new, name, cutlass.new_from_mlir_values(getattr(self, name), values[:count]))
+            values = values[count:]
+        return new
+
+
+# ---------------------------------------------------------------------------
+# accumulator views
+# ---------------------------------------------------------------------------
+
+
+def acc_as_rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    """View an sm90 accumulator ``((2, 2, N/8), MMA_M, MMA_N)`` as ``((2, MMA_M), (2, N/8, MMA_N))``.
+
+    Mode 0 walks the rows a thread owns, mode 1 its columns, so row reductions are
+    loops over mode 1 followed by a shuffle across the 4 lanes that share a row.
+    """
+    flat = cute.make_layout(acc.layout.shape)
+    rows = (flat.shape[0][1], flat.shape[1])
+    rows_stride = (flat.stride[0][1], flat.stride[1])
+    cols = (flat.shape[0][0], flat.shape[0][2], flat.shape[2])
+    cols_stride = (flat.stride[0][0], flat.stride[0][2], flat.stride[2])
+    view = cute.make_layout((rows, cols), stride=(rows_stride, cols_stride))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, view))
+
+
+def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View a 16-bit sm90 accumulator as the A fragment of the next WGMMA (RS form).
+
+    ``((2, 2, N/8), MMA_M, MMA_N)`` becomes ``((2, 2, 2), MMA_M, (N/16, MMA_N))``: the
+    C layout of one GEMM holds exactly the registers the A operand of the next one
+    wants, two 8-column groups per 16-wide k block.
+    """
+    assert acc.layout.shape[0][2] % 2 == 0, "tile_n must be a multiple of 16"
+    split = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
+    shape = (
+        (split.shape[0][0], split.shape[0][1], split.shape[0][2][0]),
+        split.shape[1],
+        (split.shape[0][2][1], split.shape[2]),
+    )
+    stride = (
+        (split.stride[0][0], split.stride[0][1], split.stride[0][2][0]),
+        split.stride[1],
+        (split.stride[0][2][1], split.stride[2]),
+    )
+    return cute.make_tensor(acc.iterator, cute.make_layout(shape, stride=stride))
+
+
+@dsl_user_op
+def _cvt_pair(lo: Float32, hi: Float32, to_bf16: bool, *, loc=None, ip=None) -> Int32:
+    kind = "bf16x2" if to_bf16 else "f16x2"
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+            f"cvt.rn.{kind}.f32 $0, $1, $2;",
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.jit
+def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
+    """fp32 fragment -> bf16/fp16 fragment of the same size, two values per cvt.
+
+    ``TensorSSA.to`` converts one value at a time for some tile widths, and the
+    scattered 16-bit moves then sit between the WGMMAs that read the result.
+    """
+    dst_pairs = cute.recast_tensor(dst, Int32)
+    to_bf16 = dst.element_type is cutlass.BFloat16
+    for i in cutlass.range_constexpr(cute.size(dst_pairs)):
+        dst_pairs[i] = _cvt_pair(src[2 * i], src[2 * i + 1], to_bf16)
+
+
+# ---------------------------------------------------------------------------
+# which key blocks a query block visits
+# ---------------------------------------------------------------------------
+
+
+class KeyRange(DslState):
+    """Key-block bounds of one (query block, batch) pair; plain DSL integers.
+
+    ``n_block_max``: one past the last key block with any visible key (0 when a
+    causal query block sees no key at all). ``n_block_min_masked``: key blocks at or
+    past it cross the causal diagonal and need the causal mask; blocks below it
+    are fully visible to every row of the query block.
+    """
+
+    dynamic_fields = ("n_block_max", "n_block_min_masked")
+
+    def __init__(self, tile_m: int, tile_n: int, causal: bool, m_block, seqlen_q, seqlen_k):
+        n_blocks_k = (seqlen_k + tile_n - 1) // tile_n
+        self.n_block_max = n_blocks_k
+        self.n_block_min_masked = n_blocks_k
+        if const_expr(causal):
+            offset = seqlen_k - seqlen_q
+            # keys visible to the last row of the block, and to its first row
+            last_row_keys = (m_block + 1) * tile_m + offset
+            first_row_keys = m_block * tile_m + offset + 1
+            self.n_block_max = cutlass.min(
+                n_blocks_k, (cutlass.max(last_row_keys, 0) + tile_n - 1) // tile_n
+            )
+            self.n_block_min_masked = cutlass.min(
+                self.n_block_max, cutlass.max(first_row_keys, 0) // tile_n
+            )
+
+
+@cute.jit
+def mask_scores(
+    acc_s: cute.Tensor,
+    tScS: cute.Tensor,
+    t0ScS: cute.Tensor,
+    row_start: Int32,
+    col_start: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    causal: cutlass.Constexpr[bool],
+    mask_seqlen: cutlass.Constexpr[bool],
+):
+    """Set scores outside the visible band to -inf, in place.
+
+    ``row_start``/``col_start``: the query row and key column of the fragment's
+    tile origin. ``tScS``/``t0ScS``: (row, col) coordinates within the tile of this
+    thread's and of thread 0's accumulator, both in :func:`acc_as_rows_cols` form.
+    Columns are compared through thread 0's coordinates (compile-time constants)
+    against a limit shifted by this thread's column offset: one compare per score.
+    """
+    acc = acc_as_rows_cols(acc_s)
+    col_offset = tScS[0, 0][1]
+    seqlen_limit = seqlen_k - col_start - col_offset
+    if const_expr(not causal):
+        if const_expr(mask_seqlen):
+            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                keep = t0ScS[0, c][1] < seqlen_limit
+                for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+                    acc[r, c] = acc[r, c] if keep else -Float32.inf
+    else:
+        # query row i sees keys j <= i + seqlen_k - seqlen_q
+        diag = row_start + 1 + seqlen_k - seqlen_q - col_start - col_offset
+        for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+            limit = diag + tScS[r, 0][0]
+            if const_expr(mask_seqlen):
+                limit = cutlass.min(limit, seqlen_limit)
+            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                acc[r, c] = acc[r, c] if t0ScS[0, c][1] < limit else -Float32.inf
+
+
+# ---------------------------------------------------------------------------
+# online softmax
+# ---------------------------------------------------------------------------
+
+
+class OnlineSoftmax(DslState):
+    """Running max and sum of the rows a thread owns (4 lanes share a row).
+
+    Scores stay unscaled in the accumulator; ``exp2(s * scale_log2 - max * scale_log2)``
+    is one FFMA and one MUFU.EX2 per score. Rows that have seen only -inf use 0 as
+    their max so that they produce zeros, never NaN.
+    """
+
+    dynamic_fields = ("scale_log2", "row_max", "row_sum")
+
+    def __init__(self, scale_log2: Float32, num_rows: int):
+        self.scale_log2 = scale_log2
+        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
+        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+
+    @cute.jit
+    def reset(self):
+        self.row_max.fill(-Float32.inf)
+        self.row_sum.fill(0.0)
+
+    @cute.jit
+    def step(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """Exponentiate ``acc_s`` in place; return the factor to rescale O's rows by."""
+        acc = acc_as_rows_cols(acc_s)
+        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            row = acc[r, None].load()
+            prev_max = self.row_max[r]
+            new_max = row.reduce(
+                cute.ReductionOp.MAX, -Float32.inf if const_expr(is_first) else prev_max, 0
+            )
+            new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
+            self.row_max[r] = new_max
+            safe_max = 0.0 if new_max == -Float32.inf else new_max
+            max_scaled = safe_max * self.scale_log2
+            exp_row = cute.math.exp2(row * self.scale_log2 - max_scaled, fastmath=True)
+            acc[r, None].store(exp_row)
+            # per-thread partial sums; the 4 lanes of a row are combined in finalize
+            if const_expr(is_first):
+                row_scale[r] = 1.0
+                self.row_sum[r] = exp_row.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            else:
+                safe_prev = 0.0 if prev_max == -Float32.inf else prev_max
+                row_scale[r] = cute.math.exp2((safe_prev - safe_max) * self.scale_log2, fastmath=True)
+                self.row_sum[r] = exp_row.reduce(
+                    cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0
+                )
+        return row_scale
+
+    @cute.jit
+    def finalize(self) -> tuple:
+        """Return (1/row_sum, natural-log LSE); an empty row gives (0, -inf)."""
+        out_scale = cute.make_rmem_tensor_like(self.row_sum, Float32)
+        lse = cute.make_rmem_tensor_like(self.row_sum, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            empty = total == 0.0
+            out_scale[r] = 0.0 if empty else cute.arch.rcp_approx(total)
+            row_max = self.row_max[r]
+            lse[r] = (
+                -Float32.inf
+                if empty
+                else (row_max * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+            )
+        return out_scale, lse
+
+
+@cute.jit
+def scale_rows(acc_o: cute.Tensor, row_scale: cute.Tensor):
+    """Multiply each row of an accumulator by its factor (O rescale / normalize)."""
+    acc = acc_as_rows_cols(acc_o)
+    for r in cutlass.range_constexpr(cute.size(row_scale)):
+        acc[r, None].store(acc[r, None].load() * row_scale[r])
+
+
+# ---------------------------------------------------------------------------
+# tile scheduler
+# ---------------------------------------------------------------------------
+
+
+class AttentionTileScheduler(DslState):
+    """Static persistent schedule of (m_block, head, batch) tiles.
+
+    CTA ``c`` of ``G`` takes tiles ``c, c + G, c + 2G, ...``. Tiles are numbered in
+    sections of ``heads_per_section`` (batch, head) pairs; inside a section the
+    query block is the slow index and the head the fast one, so the CTAs in flight
+    share the K/V of a few heads (L2 reuse). With ``longest_first`` (causal) query
+    blocks run from the last (most keys) to the first, so short tiles fill the
+    tail of the schedule.
+    """
+
+    dynamic_fields = ("num_m_blocks", "num_heads", "num_bh", "heads_per_section", "num_tiles")
+
+    def __init__(
+        self,
+        num_m_blocks: Int32,
+        num_heads: Int32,
+        num_batch: Int32,
+        heads_per_section: Int32,
+        longest_first: bool,
+    ):
+        self.num_m_blocks = num_m_blocks
+        self.num_heads = num_heads
+        self.num_bh = num_heads * num_batch
+        self.heads_per_section = heads_per_section
+        self.longest_first = longest_first
+        self.num_tiles = num_m_blocks * self.num_bh
+
+    @staticmethod
+    def heads_per_section_for(seqlen_k: Int32, kv_bytes_per_key: int, num_bh: Int32) -> Int32:
+        """How many (batch, head) pairs' K/V fit the L2 budget (at least 1)."""
+        per_head = cutlass.max(seqlen_k, 1) * kv_bytes_per_key
+        return cutlass.max(cutlass.min(L2_KV_BUDGET_BYTES // per_head, num_bh), 1)
+
+    def first_tile(self) -> Int32:
+        return Int32(cute.arch.block_idx()[0])
+
+    def next_tile(self, tile: Int32) -> Int32:
+        return tile + Int32(cute.arch.grid_dim()[0])
+
+    def is_valid(self, tile: Int32):
+        return tile < self.num_tiles
+
+    def coords(self, tile: Int32) -> tuple:
+        """(m_block, head, batch) of a tile number."""
+        section_tiles = self.heads_per_section * self.num_m_blocks
+        section = tile // section_tiles
+        within = tile - section * section_tiles
+        first_bh = section * self.heads_per_section
+        heads_here = cutlass.min(self.heads_per_section, self.num_bh - first_bh)
+        m_idx = within // heads_here
+        bh = first_bh + within - m_idx * heads_here
+        m_block = m_idx
+        if const_expr(self.longest_first):
+            m_block = self.num_m_blocks - 1 - m_idx
+        batch = bh // self.num_heads
+        head = bh - batch * self.num_heads
+        return m_block, head, batch

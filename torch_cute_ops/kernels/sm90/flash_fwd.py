@@ -1,0 +1,627 @@
+"""FlashAttention-3 style forward for Hopper (sm_90a), in the CuTe DSL.
+
+One CTA = one producer warpgroup + ``num_wg`` consumer warpgroups; each consumer
+warpgroup owns 64 query rows of a ``tile_m = 64 * num_wg`` query block.
+
+* producer (warp 0): TMA loads of Q (one 64-row slab per consumer WG), and of K and
+  V through two ``num_stages`` mbarrier pipelines, in the order the consumers use
+  them (K of block n-1 before V of block n);
+* consumers (``setmaxnreg`` gives them the registers): S = Q K^T with both operands
+  in smem (WGMMA SS), online softmax in fp32 with exp2 and the scale folded in,
+  P converted to 16 bits in registers and O += P V with P as the register A
+  operand (WGMMA RS). Inside a warpgroup the GEMMs of block n overlap the softmax
+  of block n+1 (issue S(n) and O += P(n+1) V(n+1), then wait for S only); across
+  warpgroups, named barriers hand the tensor cores round-robin (ping-pong), so
+  one WG's softmax runs under another's GEMMs;
+* causal masks only on the key blocks that cross the diagonal; blocks fully
+  above it are never loaded;
+* a static persistent scheduler (``flash_common.AttentionTileScheduler``), causal
+  tiles longest-first;
+* epilogue: O normalized in registers, written to the WG's Q slab in smem and
+  stored with TMA (rows past seqlen_q are clipped by TMA); LSE from registers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache, partial
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass import pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from .. import KernelFamily
+from ..common.compile_cache import KernelSpec, get_compiled
+from ..common.flash_common import (
+    LOG2_E,
+    AttentionTileScheduler,
+    KeyRange,
+    OnlineSoftmax,
+    acc_as_operand_a,
+    acc_as_rows_cols,
+    convert_to_16bit,
+    mask_scores,
+    scale_rows,
+)
+
+FAMILY_NAME = "flash_fwd_sm90"
+HEAD_DIMS = (64, 96, 128, 192, 256)
+DTYPES = ("bf16", "fp16")
+_CUTE_DTYPE = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+# named barrier ids (0 is __syncthreads)
+_BAR_EPILOGUE = 1  # + consumer WG index
+_BAR_SCHED = 4  # + consumer WG index
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    tile_n: int
+    num_wg: int  # consumer warpgroups; tile_m = 64 * num_wg
+    num_stages: int
+    pingpong: bool  # round-robin the tensor cores between consumer WGs
+
+    @property
+    def tile_m(self) -> int:
+        return 64 * self.num_wg
+
+
+def config_for(head_dim: int) -> FwdConfig:
+    """Tile shapes that fit 227 KB of smem and the register budget (FA3's choices)."""
+    if head_dim <= 64:
+        return FwdConfig(tile_n=128, num_wg=3, num_stages=2, pingpong=True)
+    if head_dim <= 128:
+        return FwdConfig(tile_n=128, num_wg=2, num_stages=2, pingpong=True)
+    if head_dim <= 192:
+        return FwdConfig(tile_n=112, num_wg=2, num_stages=2, pingpong=False)
+    return FwdConfig(tile_n=80, num_wg=2, num_stages=2, pingpong=False)
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: int):
+    """``stages`` row-major (rows, cols) tiles, swizzled for WGMMA and TMA."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def _transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of an smem tensor (V as the MN-major B operand)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def _select(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
+
+
+@cute.jit
+def _wgmma(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    zero_init: cutlass.Constexpr[bool],
+    wait: cutlass.Constexpr[int],
+):
+    """Issue one warpgroup GEMM over all k blocks; ``wait`` >= 0 waits for that many groups."""
+    warpgroup.fence()
+    # a fresh atom per call: its ACCUMULATE flag is state that must not leak across loops
+    mma_atom = cute.make_mma_atom(tiled_mma.op)
+    mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait >= 0):
+        warpgroup.wait_group(wait)
+
+
+def _qk_gemm(tiled_mma, acc_shape, tSrQ, tSrK, stage, wait):
+    acc_s = cute.make_rmem_tensor(acc_shape, Float32)
+    _wgmma(tiled_mma, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait)
+    return acc_s
+
+
+def _pv_gemm(tiled_mma, acc_o, tOrP, tOrVt, stage, wait):
+    _wgmma(tiled_mma, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait)
+
+
+def _scores_to_p(tOrP, acc_s):
+    """P = exp'd scores in 16 bits, laid out as the A operand of the PV WGMMA."""
+    convert_to_16bit(acc_as_operand_a(acc_s), tOrP)
+
+
+class FlashFwdSm90:
+    def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.num_wg = config.num_wg
+        self.num_stages = config.num_stages
+        self.pingpong = config.pingpong and config.num_wg > 1
+        self.num_threads = 128 * (config.num_wg + 1)
+        # 64K registers per SM: the producer WG keeps few, the consumers get the rest
+        self.consumer_regs, self.producer_regs = {2: (240, 24), 3: (160, 32)}[config.num_wg]
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, S_q, H_q, D)
+        mK: cute.Tensor,  # (B, S_k, H_kv, D)
+        mV: cute.Tensor,  # (B, S_k, H_kv, D)
+        mO: cute.Tensor,  # (B, S_q, H_q, D)
+        mLSE: cute.Tensor,  # (B, H_q, S_q) fp32
+        softmax_scale: Float32,
+        max_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        D = self.head_dim
+        # (S, D, H, B): TMA tiles modes 0-1, heads and batch index the rest
+        mQ, mK, mV, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = _select(mLSE, [2, 1, 0])  # (S_q, H_q, B)
+
+        q_layout = _smem_layout(self.dtype, 64, D, self.num_wg)
+        k_layout = _smem_layout(self.dtype, self.tile_n, D, self.num_stages)
+        v_layout = _smem_layout(self.dtype, self.tile_n, D, self.num_stages)
+        slab_layout = cute.select(q_layout, mode=[0, 1])
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(1, 1, 1),
+            tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(1, 1, 1),
+            tiler_mn=(64, D),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, slab_layout, (64, D))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(
+            load_op, mK, cute.select(k_layout, mode=[0, 1]), (self.tile_n, D)
+        )
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(
+            load_op, mV, cute.select(v_layout, mode=[0, 1]), (self.tile_n, D)
+        )
+        tma_o, tma_mO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, slab_layout, (64, D)
+        )
+        tx_bytes = [
+            cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1]))
+            for layout in (q_layout, k_layout, v_layout)
+        ]
+        tx_bytes[0] = tx_bytes[0] * self.num_wg
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(k_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], 1024]
+
+        seqlen_q, num_heads, batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
+        num_m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
+        heads_per_section = AttentionTileScheduler.heads_per_section_for(
+            mK.shape[0], 2 * D * self.dtype.width // 8, num_heads * batch
+        )
+        num_tiles = num_m_blocks * num_heads * batch
+        self.kernel(
+            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE,
+            tma_q, tma_k, tma_v, tma_o,
+            tiled_mma_qk, tiled_mma_pv,
+            q_layout, k_layout, v_layout,
+            softmax_scale * LOG2_E,
+            num_m_blocks, heads_per_section,
+            tx_bytes[0], tx_bytes[1], tx_bytes[2],
+            SharedStorage,
+        ).launch(
+            grid=[cutlass.min(num_tiles, max_ctas), 1, 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ---------------------------------------------------------------- kernel
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        tma_o: cute.CopyAtom,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        q_layout: cute.ComposedLayout,
+        k_layout: cute.ComposedLayout,
+        v_layout: cute.ComposedLayout,
+        scale_log2: Float32,
+        num_m_blocks: Int32,
+        heads_per_section: Int32,
+        tx_bytes_q: cutlass.Constexpr[int],
+        tx_bytes_k: cutlass.Constexpr[int],
+        tx_bytes_v: cutlass.Constexpr[int],
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # one arrive per consumer warp (lane 0 signals)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_wg)
+        pipe_q, pipe_k, pipe_v = [
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar.data_ptr(),
+                num_stages=stages,
+                producer_group=tma_warp,
+                consumer_group=consumer_warps,
+                tx_count=tx,
+                defer_sync=True,
+            )
+            for mbar, stages, tx in (
+                (storage.mbar_q, 1, tx_bytes_q),
+                (storage.mbar_k, self.num_stages, tx_bytes_k),
+                (storage.mbar_v, self.num_stages, tx_bytes_v),
+            )
+        ]
+        pipeline.pipeline_init_arrive()
+
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+
+        scheduler = AttentionTileScheduler(
+            num_m_blocks, mQ.shape[2], mQ.shape[3], heads_per_section, self.causal
+        )
+        pipeline.pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
+                             pipe_q, pipe_k, pipe_v, scheduler)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(mO, mLSE, sQ, sK, sV, tma_o, tiled_mma_qk, tiled_mma_pv,
+                         pipe_q, pipe_k, pipe_v, scheduler, scale_log2,
+                         mQ.shape[0], mK.shape[0])
+
+    # -------------------------------------------------------------- producer
+    @cute.jit
+    def produce(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
+                pipe_q, pipe_k, pipe_v, scheduler: AttentionTileScheduler):
+        D = self.head_dim
+        q_per_kv = mQ.shape[2] // mK.shape[2]
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        tile = scheduler.first_tile()
+        while scheduler.is_valid(tile):
+            m_block, head, batch = scheduler.coords(tile)
+            head_kv = head // q_per_kv
+            keys = KeyRange(self.tile_m, self.tile_n, self.causal, m_block, seqlen_q, seqlen_k)
+            # ((TMA atom), rest) views of the smem stages and the gmem tiles
+            gQ = cute.local_tile(mQ[None, None, head, batch], (64, D), (None, 0))
+            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, D), (None, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, D), (None, 0))
+            tQsQ, tQgQ = self._tma_views(tma_q, sQ, gQ)
+            tKsK, tKgK = self._tma_views(tma_k, sK, gK)
+            tVsV, tVgV = self._tma_views(tma_v, sV, gV)
+            n_max = keys.n_block_max
+            if n_max > 0:
+                pipe_k.producer_acquire(kv_state)
+                cute.copy(tma_k, tKgK[None, n_max - 1], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+            pipe_q.producer_acquire(q_state)
+            for w in cutlass.range_constexpr(self.num_wg):
+                cute.copy(tma_q, tQgQ[None, m_block * self.num_wg + w], tQsQ[None, w],
+                          tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
+            if n_max > 0:
+                # K of block n-1 goes before V of block n: the consumers' order
+                for i in cutlass.range(n_max - 1, unroll=1):
+                    n = n_max - 1 - i
+                    v_state = kv_state.clone()
+                    kv_state.advance()
+                    pipe_k.producer_acquire(kv_state)
+                    cute.copy(tma_k, tKgK[None, n - 1], tKsK[None, kv_state.index],
+                              tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                    pipe_v.producer_acquire(v_state)
+                    cute.copy(tma_v, tVgV[None, n], tVsV[None, v_state.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                pipe_v.producer_acquire(kv_state)
+                cute.copy(tma_v, tVgV[None, 0], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                kv_state.advance()
+            tile = scheduler.next_tile(tile)
+
+    @staticmethod
+    def _tma_views(atom, s: cute.Tensor, g: cute.Tensor):
+        """(smem per stage, gmem per tile) partitions for a TMA atom."""
+        return cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+        )
+
+    # ------------------------------------------------------------- consumers
+    @cute.jit
+    def consume(self, mO, mLSE, sQ, sK, sV, tma_o, tiled_mma_qk, tiled_mma_pv,
+                pipe_q, pipe_k, pipe_v, scheduler: AttentionTileScheduler,
+                scale_log2: Float32, seqlen_q: Int32, seqlen_k: Int32):
+        D = self.head_dim
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_tidx = tidx % 128
+
+        thr_qk = tiled_mma_qk.get_slice(wg_tidx)
+        thr_pv = tiled_mma_pv.get_slice(wg_tidx)
+        sQ_wg = sQ[None, None, wg]
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_wg))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(_transpose_view(sV)))
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, self.tile_n)))
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, D)), Float32)
+        acc_s_shape = thr_qk.partition_shape_C((64, self.tile_n))
+
+        # (row, col) of every score this thread holds, and thread 0's (static)
+        cS = cute.make_identity_tensor((64, self.tile_n))
+        tScS = acc_as_rows_cols(thr_qk.partition_C(cS))
+        t0ScS = acc_as_rows_cols(tiled_mma_qk.get_slice(0).partition_C(cS))
+
+        softmax = OnlineSoftmax(scale_log2, cute.size(tScS, mode=[0]))
+        o_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
+
+        # the DSL's loops take no closures: bind the fragments with partial
+        qk_gemm = partial(_qk_gemm, tiled_mma_qk, acc_s_shape, tSrQ, tSrK)
+        pv_gemm = partial(_pv_gemm, tiled_mma_pv, acc_o, tOrP, tOrVt)
+        to_p = partial(_scores_to_p, tOrP)
+
+        if const_expr(self.pingpong):
+            if wg == 0:  # the first WG starts with the tensor-core token
+                cute.arch.barrier_arrive(barrier_id=_BAR_SCHED, number_of_threads=256)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        tile = scheduler.first_tile()
+        while scheduler.is_valid(tile):
+            m_block, head, batch = scheduler.coords(tile)
+            keys = KeyRange(self.tile_m, self.tile_n, self.causal, m_block, seqlen_q, seqlen_k)
+            row_start = m_block * self.tile_m + wg * 64
+            mask = partial(mask_scores, tScS=tScS, t0ScS=t0ScS, row_start=row_start,
+                           seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+
+            softmax.reset()
+            acc_o.fill(0.0)
+            o_scale.fill(1.0)
+            n_max = keys.n_block_max
+            pipe_q.consumer_wait(q_state)
+            if n_max > 0:
+                # last key block first: it alone may hold keys past seqlen_k
+                pipe_k.consumer_wait(kv_state)
+                acc_s = qk_gemm(kv_state.index, 0)
+                pipe_k.consumer_release(kv_state)
+                mask(acc_s, col_start=(n_max - 1) * self.tile_n, causal=self.causal, mask_seqlen=True)
+                softmax.step(acc_s, is_first=True)
+                to_p(acc_s)
+                n_masked_end = cutlass.max(keys.n_block_min_masked, 0)
+                if const_expr(self.causal):
+                    for i in cutlass.range(cutlass.max(n_max - 1 - n_masked_end, 0), unroll=1):
+                        kv_state = self.overlapped_block(
+                            kv_state, n_max - 2 - i, qk_gemm, pv_gemm, to_p, mask, True,
+                            softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
+                n_free = cutlass.min(n_max - 1, n_masked_end)
+                for i in cutlass.range(n_free, unroll=1):
+                    kv_state = self.overlapped_block(
+                        kv_state, n_free - 1 - i, qk_gemm, pv_gemm, to_p, mask, False,
+                        softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
+                # the last P V
+                scale_rows(acc_o, o_scale)
+                pipe_v.consumer_wait(kv_state)
+                pv_gemm(kv_state.index, 0)
+                pipe_v.consumer_release(kv_state)
+                kv_state.advance()
+
+            self.epilogue(acc_o, softmax, mO, mLSE, sQ_wg, tma_o, tiled_mma_pv, thr_pv,
+                          wg, wg_tidx, m_block, head, batch, row_start, seqlen_q)
+            pipe_q.consumer_release(q_state)
+            q_state.advance()
+            tile = scheduler.next_tile(tile)
+
+    @cute.jit
+    def overlapped_block(self, kv_state, n_block, qk_gemm, pv_gemm, to_p, mask,
+                         causal: cutlass.Constexpr[bool], softmax: OnlineSoftmax,
+                         acc_o, o_scale, pipe_k, pipe_v, wg):
+        """S(n) = Q K(n)^T and O += P(n+1) V(n+1) in flight together, then softmax(S(n))."""
+        v_state = kv_state.clone()
+        kv_state.advance()
+        pipe_k.consumer_wait(kv_state)
+        self.sched_wait(wg)
+        acc_s = qk_gemm(kv_state.index, -1)
+        # O's rows take the previous block's max correction while S is computed
+        scale_rows(acc_o, o_scale)
+        pipe_v.consumer_wait(v_state)
+        pv_gemm(v_state.index, -1)
+        self.sched_pass(wg)
+        warpgroup.wait_group(1)
+        pipe_k.consumer_release(kv_state)
+        mask(acc_s, col_start=n_block * self.tile_n, causal=causal, mask_seqlen=False)
+        row_scale = softmax.step(acc_s, is_first=False)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(v_state)
+        to_p(acc_s)  # P(n+1) is consumed: overwrite it
+        o_scale.store(row_scale.load())
+        return kv_state
+
+    def sched_wait(self, wg):
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=_BAR_SCHED + wg, number_of_threads=256)
+
+    def sched_pass(self, wg):
+        if const_expr(self.pingpong):
+            cute.arch.barrier_arrive(
+                barrier_id=_BAR_SCHED + (wg + 1) % self.num_wg, number_of_threads=256
+            )
+
+    @cute.jit
+    def epilogue(self, acc_o, softmax: OnlineSoftmax, mO, mLSE, sO, tma_o, tiled_mma_pv, thr_pv,
+                 wg, wg_tidx, m_block, head, batch, row_start, seqlen_q):
+        D = self.head_dim
+        out_scale, lse = softmax.finalize()
+        scale_rows(acc_o, out_scale)
+
+        # LSE: the lane holding column 0 of a row writes it
+        tOcO = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((64, D))))
+        if tOcO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = row_start + tOcO[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = lse[r]
+
+        # O: registers -> this WG's Q slab (its QK GEMMs are done) -> TMA store
+        rO = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        convert_to_16bit(acc_o, rO)
+        store_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(wg_tidx)
+        cute.copy(thr_store, thr_store.retile(rO), thr_store.partition_D(sO))
+        cute.arch.fence_view_async_shared()  # smem writes visible to the TMA unit
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
+        if wg_tidx < 32:
+            gO = cute.local_tile(mO[None, None, head, batch], (64, D), (None, 0))
+            tOsO, tOgO = self._tma_views(tma_o, sO, gO)
+            cute.copy(tma_o, tOsO, tOgO[None, m_block * self.num_wg + wg])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # the slab is free for the next Q once the store has read it
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
+
+
+# ---------------------------------------------------------------------- family
+
+
+def _spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a") -> KernelSpec:
+    return KernelSpec.make(FAMILY_NAME, arch, dtype=dtype, head_dim=head_dim, causal=causal)
+
+
+def build(spec: KernelSpec):
+    dtype = _CUTE_DTYPE[spec["dtype"]]
+    head_dim, causal = spec["head_dim"], spec["causal"]
+    kernel = FlashFwdSm90(dtype, head_dim, causal, config_for(head_dim))
+
+    def bhsd(elem):
+        # (B, S, H, D), any strides but the last; 16-byte aligned rows for TMA
+        align = 128 // elem.width
+        stride = tuple(cute.sym_int64(divisibility=align) for _ in range(3)) + (1,)
+        shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
+        return cute.runtime.make_fake_tensor(elem, shape, stride, assumed_align=16)
+
+    lse = cute.runtime.make_fake_tensor(
+        Float32,
+        (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
+        (cute.sym_int64(), cute.sym_int64(), 1),
+        assumed_align=4,
+    )
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, 1.0, 132, stream)
+    return kernel, fake_args
+
+
+def shipped(arch: str):
+    if arch != "sm_90a":
+        return []
+    return [_spec(d, h, c) for d in DTYPES for h in HEAD_DIMS for c in (False, True)]
+
+
+FAMILY = KernelFamily(name=FAMILY_NAME, arch="sm_90a", shipped=shipped, build=build)
+
+
+# ------------------------------------------------------------------ host API
+
+_TORCH_DTYPE_NAME = {}
+
+
+def _dtype_name(torch_dtype) -> str | None:
+    if not _TORCH_DTYPE_NAME:
+        import torch
+
+        _TORCH_DTYPE_NAME.update({torch.bfloat16: "bf16", torch.float16: "fp16"})
+    return _TORCH_DTYPE_NAME.get(torch_dtype)
+
+
+@lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@lru_cache(maxsize=None)
+def _compiled(dtype: str, head_dim: int, causal: bool):
+    return get_compiled(_spec(dtype, head_dim, causal))
+
+
+def unsupported_reason(q, k, v, causal: bool) -> str | None:
+    """Why this kernel does not cover the case, or None when it does."""
+    import torch
+
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "flash_fwd_sm90 needs an sm_90 GPU"
+    dtype = _dtype_name(q.dtype)
+    if dtype is None or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"flash_fwd_sm90 supports bf16/fp16 q, k, v of one dtype, got {q.dtype}/{k.dtype}/{v.dtype}"
+    head_dim = q.shape[-1]
+    if head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
+        return f"flash_fwd_sm90 supports head dims {HEAD_DIMS} (v like q), got {head_dim}/{v.shape[-1]}"
+    if q.shape[2] % k.shape[2] != 0:
+        return "flash_fwd_sm90 needs num_heads_q to be a multiple of num_heads_kv"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            return f"flash_fwd_sm90 needs {name}'s last dim contiguous"
+        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
+            return f"flash_fwd_sm90 needs {name} 16-byte aligned with strides that are multiples of 8"
+    if max(q.shape[1], k.shape[1]) >= 2**31 or q.shape[0] * q.shape[2] >= 2**31:
+        return "flash_fwd_sm90 indexes sizes with 32-bit integers"
+    return None
+
+
+def launch(q, k, v, out, lse, softmax_scale: float, causal: bool) -> None:
+    """out (B, S_q, H_q, D) and lse (B, H_q, S_q) fp32 are written; nothing else is allocated."""
+    if q.numel() == 0:
+        return
+    if k.shape[1] == 0:  # no keys: every row attends to nothing
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
+    fn = _compiled(_dtype_name(q.dtype), q.shape[-1], bool(causal))
+    fn(q, k, v, out, lse, float(softmax_scale), _num_sms(q.device.index or 0))
