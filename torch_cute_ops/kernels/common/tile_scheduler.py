@@ -35,6 +35,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
 
 def _ceil_div(a, b: int):
@@ -70,6 +71,14 @@ class PersistentTileScheduler:
             group_size,
             band_along_m,
         )
+
+    # a DSL value: loops may carry it (its three counts are the runtime part)
+    def __extract_mlir_values__(self):
+        return [v for x in (self.clusters_m, self.clusters_n, self.num_batches) for v in extract_mlir_values(x)]
+
+    def __new_from_mlir_values__(self, values):
+        counts = [new_from_mlir_values(x, [v]) for x, v in zip((self.clusters_m, self.clusters_n, self.num_batches), values)]
+        return PersistentTileScheduler(*counts, self.cluster_shape_mn, self.group_size, self.band_along_m)
 
     # ---- host side -------------------------------------------------------------------
     def grid_shape(self, max_clusters):

@@ -1,0 +1,167 @@
+"""GEMM speed on the GPU: this package's kernel vs cuBLAS (torch.matmul) and QuACK.
+
+    python bench/bench_gemm.py --out DIR [--quick]
+
+Times every shape with triton.testing.do_bench (median, warmed-up JIT, random bf16
+data), A (M, K) and B (K, N) row-major, and prints TFLOP/s and ratios; also the
+fused bias + gelu_tanh epilogue against torch.addmm + F.gelu, the first-call compile
+time, and the eager per-call host overhead at 64x64x64. Writes DIR/gemm.json (and
+DIR/gemm.png when matplotlib is there).
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ANCHOR_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 8192, 1024), (16384, 8192, 4096),
+                 (4096, 14336, 4096), (1024, 4096, 4096)]
+LLM_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (12288, 4096)]
+LLM_SHAPES = [(m, n, k) for m in (1024, 4096, 16384) for n, k in LLM_NK]
+FUSED_SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (16384, 4096, 4096)]
+
+
+def tflops(m, n, k, ms):
+    return 2 * m * n * k / ms / 1e9
+
+
+def bench(fn, rep=100):
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def quack_gemm():
+    try:
+        from quack.gemm_interface import gemm
+    except Exception as err:  # not installed, or it fails to import on this stack
+        print(f"QuACK unavailable: {err}")
+        return None
+    return lambda a, b: gemm(a, b, tuned=False)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--quick", action="store_true", help="anchor shapes only")
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_CUTE_OPS_CACHE_DIR", "off")
+
+    from torch_cute_ops.kernels.common.gemm_config import choose_config
+    from torch_cute_ops.kernels.sm90 import gemm as sm90_gemm
+
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_name()
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    dtype = torch.bfloat16
+    quack = quack_gemm()
+    results = {"device": dev, "torch": torch.__version__, "gemm": [], "fused": []}
+
+    def ours(a, b, bias=None, activation=None):
+        out = torch.empty(a.shape[0], b.shape[1], device="cuda", dtype=dtype)
+        return lambda: sm90_gemm.launch(a.unsqueeze(0), b.unsqueeze(0), bias, activation, out.unsqueeze(0))
+
+    # first-call compile time of one fresh variant (no disk cache)
+    a = torch.randn(256, 256, device="cuda", dtype=dtype)
+    start = time.perf_counter()
+    ours(a, a)()
+    torch.cuda.synchronize()
+    results["first_call_s"] = time.perf_counter() - start
+
+    shapes = ANCHOR_SHAPES if args.quick else list(dict.fromkeys(ANCHOR_SHAPES + LLM_SHAPES))
+    print(f"{dev}, {sm_count} SMs\n{'M x N x K':>22} {'config':>16} {'ours':>6} {'cuBLAS':>6} {'QuACK':>6} "
+          f"{'/cuBLAS':>7} {'/QuACK':>6}")
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        b = torch.randn(k, n, device="cuda", dtype=dtype)
+        c = choose_config("sm_90a", m, n, k, 1, sm_count)
+        row = {"shape": [m, n, k], "config_short": f"{c.tile_m}x{c.tile_n} c{c.cluster_m}x{c.cluster_n}"}
+        row["ours"] = tflops(m, n, k, bench(ours(a, b)))
+        row["cublas"] = tflops(m, n, k, bench(lambda: torch.matmul(a, b)))
+        row["quack"] = tflops(m, n, k, bench(lambda: quack(a, b))) if quack else None
+        results["gemm"].append(row)
+        quack_cols = f"{row['quack']:6.0f} {row['ours'] / row['quack']:6.2f}" if quack else f"{'-':>6} {'-':>6}"
+        print(f"{m:>6} x {n:>5} x {k:>5} {row['config_short']:>16} {row['ours']:6.0f} {row['cublas']:6.0f} "
+              f"{quack_cols.split()[0]:>6} {row['ours'] / row['cublas']:7.3f} {quack_cols.split()[1]:>6}")
+
+    print(f"\n{'fused bias+gelu_tanh':>22} {'ours':>6} {'addmm+gelu':>10} {'ratio':>6}")
+    for m, n, k in FUSED_SHAPES:
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        b = torch.randn(k, n, device="cuda", dtype=dtype)
+        bias = torch.randn(n, device="cuda", dtype=dtype)
+        ours_t = tflops(m, n, k, bench(ours(a, b, bias, "gelu_tanh")))
+        eager_t = tflops(m, n, k, bench(lambda: F.gelu(torch.addmm(bias, a, b), approximate="tanh")))
+        results["fused"].append({"shape": [m, n, k], "ours": ours_t, "addmm_gelu": eager_t})
+        print(f"{m:>6} x {n:>5} x {k:>5} {ours_t:6.0f} {eager_t:10.0f} {ours_t / eager_t:6.2f}")
+
+    results["host_overhead_us"] = host_overhead()
+    ratios = [r["ours"] / r["cublas"] for r in results["gemm"]]
+    results["geomean_vs_cublas"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    results["min_vs_cublas"] = min(ratios)
+    print(f"\ngeomean vs cuBLAS {results['geomean_vs_cublas']:.3f}, min {results['min_vs_cublas']:.3f}; "
+          f"first call (compile) {results['first_call_s']:.2f} s; host overhead (us/call) "
+          + ", ".join(f"{k} {v:.1f}" for k, v in results["host_overhead_us"].items()))
+    (out_dir / "gemm.json").write_text(json.dumps(results, indent=1))
+    plot(results, out_dir)
+
+
+def host_overhead(calls=2000):
+    """Eager per-call wall time at 64x64x64, where the launch path dominates."""
+    import torch_cute_ops  # noqa: F401  registers torch.ops.cute
+    from torch_cute_ops.kernels.sm90 import gemm as sm90_gemm
+
+    a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1, 64, 64, device="cuda", dtype=torch.bfloat16)
+    a3 = a.unsqueeze(0)
+    fns = {
+        "torch.matmul": lambda: torch.matmul(a, a),
+        "cute.gemm op": lambda: torch.ops.cute.gemm(a, a),
+        "kernel launch()": lambda: sm90_gemm.launch(a3, a3, None, None, out),
+    }
+    timings = {}
+    for name, fn in fns.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        timings[name] = (time.perf_counter() - start) / calls * 1e6
+    return timings
+
+
+def plot(results, out_dir):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = results["gemm"]
+    labels = ["x".join(map(str, r["shape"])) for r in rows]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.7), 4))
+    for i, (key, name) in enumerate([("ours", "torch-cute-ops"), ("cublas", "cuBLAS"), ("quack", "QuACK")]):
+        if rows[0].get(key) is not None:
+            ax.bar([x + (i - 1) * 0.27 for x in xs], [r[key] for r in rows], 0.27, label=name)
+    ax.set_xticks(list(xs), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("TFLOP/s (bf16)")
+    ax.set_title(results["device"])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "gemm.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The Hopper GEMM kernel against a float32 reference, on an sm_90 GPU.
+
+Every case draws fresh random operands, poisons the output with NaN before the
+launch (so an unwritten element fails) and compares with a float32 matmul of the
+same rounded inputs: relative Frobenius error and max error relative to max |ref|.
+"""
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+        reason="needs an sm_90 (Hopper) GPU",
+    ),
+]
+
+# relative Frobenius error, max error / max |ref|
+TOLERANCE = {torch.bfloat16: (1e-2, 2e-2), torch.float16: (2e-3, 4e-3), torch.float32: (1e-4, 1e-3)}
+
+
+def operand(batch, rows, cols, cols_major, dtype, batch_gap=0):
+    """(batch, rows, cols) random tensor, contiguous along cols (else rows); batch_gap
+    extra elements between batches make the batch stride non-compact."""
+    inner = (rows, cols) if cols_major else (cols, rows)
+    size = inner[0] * inner[1]
+    flat = torch.randn(batch, size + batch_gap, device="cuda").to(dtype)
+    t = flat[:, :size].unflatten(1, inner)
+    return t if cols_major else t.transpose(1, 2)
+
+
+def reference(a, b, bias, activation, out_dtype):
+    from torch_cute_ops.reference.gemm import ACTIVATIONS
+
+    ref = torch.matmul(a.float(), b.float())
+    if bias is not None:
+        ref = ref + bias.float()
+    if activation is not None:
+        ref = ACTIVATIONS[activation](ref)
+    return ref
+
+
+def check(out, ref, dtype):
+    assert not out.isnan().any(), "NaN in the output: an element was not written"
+    diff = (out.float() - ref).float()
+    rel = (diff.norm() / ref.norm().clamp_min(1e-6)).item()
+    max_rel = (diff.abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+    bound_rel, bound_max = TOLERANCE[dtype]
+    assert rel < bound_rel and max_rel < bound_max, f"rel {rel:.2e} max {max_rel:.2e}"
+
+
+def run_case(m, n, k, *, batch=1, a_k_major=True, b_n_major=True, dtype=torch.bfloat16, out_dtype=None,
+             bias=False, activation=None, batch_gap=0, config=None):
+    from torch_cute_ops.kernels.sm90 import gemm as sm90_gemm
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out_dtype = out_dtype or dtype
+    a = operand(batch, m, k, a_k_major, dtype, batch_gap)
+    b = operand(batch, k, n, b_n_major, dtype, batch_gap)
+    bias_t = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    assert sm90_gemm.unsupported_reason(a, b, bias_t, activation, out_dtype) is None
+    out = torch.full((batch, m, n), float("nan"), device="cuda", dtype=out_dtype)
+    sm90_gemm.launch(a, b, bias_t, activation, out, config=config)
+    torch.cuda.synchronize()
+    check(out, reference(a, b, bias_t, activation, out_dtype), out_dtype)
+
+
+# (M, N, K, a K-major, b N-major): tails in every dim, tiny and odd sizes where the
+# majorness keeps the leading dims 16-byte aligned
+SHAPES = [
+    (1000, 1000, 1000, True, True),
+    (4095, 1000, 1000, True, False),
+    (17, 4096, 1000, True, True),
+    (1000, 1000, 17, False, True),
+    (1000, 8, 4095, False, True),
+    (1, 4096, 4095, True, True),
+    (1, 1000, 1000, True, False),
+    (1000, 1000, 1, False, True),
+    (256, 512, 40, True, True),
+    (64, 64, 64, True, True),
+    (4096, 4096, 4096, True, True),
+]
+
+
+@pytest.mark.parametrize("m,n,k,a_k_major,b_n_major", SHAPES)
+def test_shapes(m, n, k, a_k_major, b_n_major):
+    run_case(m, n, k, a_k_major=a_k_major, b_n_major=b_n_major)
+
+
+@pytest.mark.parametrize("a_k_major", [True, False])
+@pytest.mark.parametrize("b_n_major", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_majorness_batched(a_k_major, b_n_major, dtype):
+    run_case(520, 776, 392, batch=3, a_k_major=a_k_major, b_n_major=b_n_major, dtype=dtype, batch_gap=24)
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_epilogue(activation, bias):
+    run_case(777, 1048, 512, bias=bias, activation=activation)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_out(dtype):
+    run_case(300, 264, 520, batch=2, dtype=dtype, out_dtype=torch.float32, bias=True, activation="silu")
+
+
+@pytest.mark.parametrize("tile", [(128, 256, 2, 1), (128, 128, 1, 1), (128, 128, 1, 2), (64, 128, 1, 1), (64, 64, 1, 1)])
+def test_configs(tile):
+    from torch_cute_ops.kernels.common.gemm_config import GemmConfig
+
+    config = GemmConfig(*tile, group_size=3)
+    run_case(1000, 1000, 1000, batch=2, bias=True, activation="gelu_tanh", config=config)
+
+
+def test_op_layer():
+    """torch.ops.cute.gemm runs this kernel (strict mode forbids the fallback)."""
+    import torch_cute_ops  # noqa: F401  registers the ops
+    from torch_cute_ops.ops import fallback
+
+    a = torch.randn(336, 512, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(512, 264, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(264, device="cuda", dtype=torch.bfloat16)
+    fallback.reset()
+    out = torch.ops.cute.gemm(a, b, bias, "gelu_tanh")
+    assert not fallback.counts(), fallback.counts()
+    check(out, reference(a, b, bias, "gelu_tanh", torch.bfloat16), torch.bfloat16)
+    # transposed views (what autograd passes) reach the kernel without copies
+    out_t = torch.ops.cute.gemm(b.t(), a.t())
+    assert not fallback.counts(), fallback.counts()
+    check(out_t, reference(b.t(), a.t(), None, None, torch.bfloat16), torch.bfloat16)

@@ -1,0 +1,552 @@
+"""Hopper (sm_90a) persistent GEMM: out = act(A @ B + bias), fp32 accumulation.
+
+Kernel convention: A is (M, K, L), B is (N, K, L), C is (M, N, L); each of A and B
+is K-major or M/N-major (decided at compile time from which stride is the static
+1), C is N-major. The torch layout the op layer hands over, a (L, M, K), b (L, K, N)
+and out (L, M, N), maps onto it with free ``permute`` views.
+
+One CTA = one producer warpgroup + one or two consumer warpgroups:
+
+* producer (warp 0 of warpgroup 0, 40 registers): walks the same persistent tile
+  schedule as the consumers and streams ``tile_m x 64`` A and ``tile_n x 64`` B
+  k-tiles into a ring of swizzled smem stages with TMA, signalling a
+  ``PipelineTmaAsync`` mbarrier per stage. In a 2x1 cluster each CTA loads half of
+  the shared B tile and multicasts it to both CTAs.
+* consumers (232 registers each): WGMMA over the stages with one wgmma batch in
+  flight, releasing each stage as soon as the batch that read it retired. Two
+  warpgroups split a 128-row tile into two 64-row halves (cooperative).
+* epilogue (consumers): bias (per column, fp32) and the activation in registers,
+  convert, ``stmatrix`` into a small smem ring of ``tile_m x 32`` subtiles, and TMA
+  stores from there, so M/N tails are clipped by the TMA unit, not by predicates.
+  Meanwhile the producer already prefetches the next tile's k-tiles.
+
+The tile schedule is :class:`~..common.tile_scheduler.PersistentTileScheduler`
+(banded rasterization for L2 reuse); the tile/cluster come from
+:func:`~..common.gemm_config.choose_config`.
+"""
+
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+
+from ..common.activation import ACTIVATIONS, apply_activation
+from ..common.compile_cache import KernelSpec, get_compiled
+from ..common.gemm_config import GemmConfig, choose_config
+from ..common.tile_scheduler import PersistentTileScheduler
+
+ARCH = "sm_90a"
+FAMILY_NAME = "gemm_sm90"
+
+# torch dtype <-> spec string <-> DSL type
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DSL_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32}
+INPUT_DTYPES = (torch.bfloat16, torch.float16)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+TILE_K = 64  # 128 bytes of 16-bit K per smem row: the 128B swizzle atom
+TMA_ALIGN_BYTES = 16
+_SMEM_RESERVED_BYTES = 1024  # mbarriers and alignment slack
+_MAX_AB_STAGES = 8
+
+
+class Sm90Gemm:
+    """One compiled variant: dtypes, majorness, epilogue and tile config are static."""
+
+    def __init__(self, ab_dtype, out_dtype, a_k_major: bool, b_k_major: bool, has_bias: bool,
+                 activation, config: GemmConfig):
+        if config.tile_m not in (64, 128) or config.tile_n not in (64, 128, 192, 256):
+            raise ValueError(f"unsupported sm90 tile {config.tile_mn}")
+        self.ab_dtype = ab_dtype
+        self.out_dtype = out_dtype
+        self.a_k_major = a_k_major
+        self.b_k_major = b_k_major
+        self.has_bias = has_bias
+        self.activation = activation
+        self.config = config
+        self.tile_shape_mnk = (config.tile_m, config.tile_n, TILE_K)
+        self.cluster_shape_mn = config.cluster_mn
+        # each consumer warpgroup owns 64 rows of the tile
+        self.num_mma_wg = config.tile_m // 64
+        self.num_mma_threads = 128 * self.num_mma_wg
+        self.threads_per_cta = 128 * (1 + self.num_mma_wg)
+        self.producer_regs, self.mma_regs = 40, 232
+        # B is shared by the CTAs of a cluster column, A by those of a cluster row
+        self.b_mcast = config.cluster_m > 1
+        self.a_mcast = config.cluster_n > 1
+        self.epi_tile = (config.tile_m, 32)
+        self.epi_stages = 4 if out_dtype.width == 16 else 2
+        self.ab_stages = self._ab_stages()
+        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+
+    def _ab_stages(self) -> int:
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        stage_bytes = (tile_m + tile_n) * tile_k * self.ab_dtype.width // 8
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stages
+        free = utils.get_smem_capacity_in_bytes("sm_90") - _SMEM_RESERVED_BYTES - epi_bytes
+        return min(free // stage_bytes, _MAX_AB_STAGES)
+
+    # ---- host side -------------------------------------------------------------------
+    @cute.jit
+    def run_with_bias(self, mA: cute.Tensor, mB: cute.Tensor, mBias: cute.Tensor, mC: cute.Tensor,
+                      max_clusters: Int32, stream):
+        self._launch(mA, mB, mBias, mC, max_clusters, stream)
+
+    @cute.jit
+    def run(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, max_clusters: Int32, stream):
+        # without bias the kernel never reads its bias argument; C stands in for it
+        self._launch(mA, mB, mC, mC, max_clusters, stream)
+
+    def _launch(self, mA, mB, mBias, mC, max_clusters, stream):
+        a_layout = utils.LayoutEnum.ROW_MAJOR if self.a_k_major else utils.LayoutEnum.COL_MAJOR
+        b_layout = utils.LayoutEnum.ROW_MAJOR if self.b_k_major else utils.LayoutEnum.COL_MAJOR
+        c_layout = utils.LayoutEnum.ROW_MAJOR
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            Float32, (self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_shape_mnk[1]),
+        )
+        sA_layout = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stages)
+        sB_layout = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stages)
+        sC_layout = sm90_utils.make_smem_layout_epi(self.out_dtype, c_layout, self.epi_tile, self.epi_stages)
+
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        cluster_m, cluster_n = self.cluster_shape_mn
+        tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SMulticastOp() if self.a_mcast else cpasync.CopyBulkTensorTileG2SOp(),
+            mA, cute.slice_(sA_layout, (None, None, 0)), (tile_m, tile_k), num_multicast=cluster_n,
+        )
+        tma_atom_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SMulticastOp() if self.b_mcast else cpasync.CopyBulkTensorTileG2SOp(),
+            mB, cute.slice_(sB_layout, (None, None, 0)), (tile_n, tile_k), num_multicast=cluster_m,
+        )
+        tma_atom_c, tma_tensor_c = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), self.epi_tile,
+        )
+
+        sched = self._scheduler(mC)
+        grid = sched.grid_shape(max_clusters)
+
+        @cute.struct
+        class SharedStorage:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sB_layout)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(sC_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c, mBias,
+            tiled_mma, sA_layout, sB_layout, sC_layout,
+        ).launch(
+            grid=grid,
+            block=[self.threads_per_cta, 1, 1],
+            cluster=(cluster_m, cluster_n, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    def _scheduler(self, mC) -> PersistentTileScheduler:
+        return PersistentTileScheduler.create(
+            mC.shape, self.tile_shape_mnk[:2], self.cluster_shape_mn,
+            self.config.group_size, self.config.band_along_m,
+        )
+
+    # ---- device side -----------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
+               mB_nkl: cute.Tensor, tma_atom_c: cute.CopyAtom, mC_mnl: cute.Tensor, mBias: cute.Tensor,
+               tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+               sC_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = warp_idx // 4
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_a)
+            cpasync.prefetch_descriptor(tma_atom_b)
+            cpasync.prefetch_descriptor(tma_atom_c)
+
+        cluster_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord_mnk = cluster_layout_mnk.get_flat_coord(cta_rank)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
+
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_barriers.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            tx_count=cute.size_in_bytes(self.ab_dtype, cute.slice_(sA_layout, (None, None, 0)))
+            + cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0))),
+            cta_layout_vmnk=cute.make_layout((1, *cluster_layout_mnk.shape)),
+            enable_multicast_signaling=True,
+            defer_sync=True,
+        )
+        # peers must see initialized barriers before any multicast lands in them
+        pipeline.pipeline_init_arrive(cluster_layout_mnk, is_relaxed=True)
+
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        # (tile, tile, rest_m/n, rest_k, L) views of the global tensors
+        gA = cute.local_tile(mA_mkl, (tile_m, tile_k), (None, None, None))
+        gB = cute.local_tile(mB_nkl, (tile_n, tile_k), (None, None, None))
+        num_k_tiles = cute.size(gA, mode=[3])
+        sched = self._scheduler(mC_mnl)
+
+        pipeline.pipeline_init_wait(cluster_layout_mnk)
+
+        if wg_idx == 0:
+            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+            if warp_idx == 0:
+                self._produce(ab_pipeline, sched, tma_atom_a, tma_atom_b, gA, gB, sA, sB,
+                              cluster_layout_mnk, cluster_coord_mnk, num_k_tiles)
+        else:
+            cute.arch.warpgroup_reg_alloc(self.mma_regs)
+            self._consume(ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, sA, sB, sC,
+                          num_k_tiles, tidx - 128)
+
+    @cute.jit
+    def _produce(self, ab_pipeline, sched, tma_atom_a, tma_atom_b, gA, gB, sA, sB,
+                 cluster_layout_mnk, cluster_coord_mnk, num_k_tiles):
+        """TMA loads of every k-tile of every tile this CTA owns, ab_stages ahead of the MMAs."""
+        # A is split over the CTAs of a cluster row, B over those of a cluster column
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_atom_a, cluster_coord_mnk[1], cute.make_layout(cute.slice_(cluster_layout_mnk, (0, None, 0)).shape),
+            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_atom_b, cluster_coord_mnk[0], cute.make_layout(cute.slice_(cluster_layout_mnk, (None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
+        )
+        a_mcast_mask = cute.make_layout_image_mask(cluster_layout_mnk, cluster_coord_mnk, mode=1) if self.a_mcast else 0
+        b_mcast_mask = cute.make_layout_image_mask(cluster_layout_mnk, cluster_coord_mnk, mode=0) if self.b_mcast else 0
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        work_idx, num_work_units = sched.first_work_idx(), sched.num_work_units
+        while work_idx < num_work_units:
+            tile_m_idx, tile_n_idx, batch_idx = sched.tile_coord(work_idx)
+            tAgA_tile = tAgA[(None, tile_m_idx, None, batch_idx)]
+            tBgB_tile = tBgB[(None, tile_n_idx, None, batch_idx)]
+            for k_tile in cutlass.range(num_k_tiles, unroll=1):
+                ab_pipeline.producer_acquire(state)
+                barrier = ab_pipeline.producer_get_barrier(state)
+                cute.copy(tma_atom_a, tAgA_tile[(None, k_tile)], tAsA[(None, state.index)],
+                          tma_bar_ptr=barrier, mcast_mask=a_mcast_mask)
+                cute.copy(tma_atom_b, tBgB_tile[(None, k_tile)], tBsB[(None, state.index)],
+                          tma_bar_ptr=barrier, mcast_mask=b_mcast_mask)
+                ab_pipeline.producer_commit(state)
+                state.advance()
+            work_idx += sched.work_stride()
+        ab_pipeline.producer_tail(state)
+
+    @cute.jit
+    def _consume(self, ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, sA, sB, sC,
+                 num_k_tiles, mma_tidx):
+        """WGMMA main loop, then the fused epilogue, for every tile this CTA owns."""
+        # WGMMA is issued per warpgroup: slice the MMA by warpgroup, the epilogue by thread
+        wg_slice = tiled_mma.get_slice((mma_tidx // 128) * 128)
+        tCsA = wg_slice.partition_A(sA)
+        tCsB = wg_slice.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        # (m, n) of each accumulator value inside the tile, for the bias columns
+        tCcC = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
+        acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+
+        # epilogue: registers -> swizzled smem subtile (stmatrix for 16-bit) -> TMA store
+        if cutlass.const_expr(self.out_dtype.width == 16):
+            c_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.out_dtype)
+        else:
+            c_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype)
+        r2s_copy = cute.make_tiled_copy_S(
+            sm90_utils.get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, self.out_dtype, Float32),
+            cute.make_tiled_copy_C_atom(c_atom, tiled_mma),
+        )
+        thr_r2s = r2s_copy.get_slice(mma_tidx)
+        tRS_sC = thr_r2s.partition_D(sC)
+        tRS_rAcc = r2s_copy.retile(acc)
+        subtile_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+        tRS_rAcc_sub = cute.make_rmem_tensor(subtile_shape, Float32)
+        tRS_rC = cute.make_rmem_tensor(subtile_shape, self.out_dtype)
+        subtile_size = cute.size(tRS_rC)
+        store_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+        )
+        gC = cute.local_tile(mC_mnl, (tile_m, tile_n), (None, None, None))
+        is_store_warp = mma_tidx // 32 == 0
+
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        subtiles_done = Int32(0)
+        work_idx, num_work_units = sched.first_work_idx(), sched.num_work_units
+        while work_idx < num_work_units:
+            tile_m_idx, tile_n_idx, batch_idx = sched.tile_coord(work_idx)
+
+            # ---- main loop: one wgmma batch in flight; release a stage once its batch retired
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            warpgroup.fence()
+            for k_tile in cutlass.range(num_k_tiles, unroll=1):
+                ab_pipeline.consumer_wait(read_state)
+                for k_block in cutlass.range_constexpr(num_k_blocks):
+                    coord = (None, None, k_block, read_state.index)
+                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                if k_tile > 0:
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                read_state.advance()
+            warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+
+            # ---- epilogue: bias and activation in fp32 registers, then subtiles out by TMA
+            if cutlass.const_expr(self.has_bias):
+                self._add_bias(acc, tCcC, mBias, tile_n_idx * tile_n, mC_mnl.shape[1])
+            apply_activation(acc, self.activation)
+
+            gC_tile = gC[(None, None, tile_m_idx, tile_n_idx, batch_idx)]
+            gC_subtiles = cute.zipped_divide(gC_tile, self.epi_tile)
+            tCsC_store, tCgC_store = cpasync.tma_partition(
+                tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_subtiles,
+            )
+            num_subtiles = cute.size(gC_subtiles, mode=[1])
+            subtile_grid = gC_subtiles.shape[1]
+            subtile_order = cute.make_layout(subtile_grid, stride=(subtile_grid[1], 1))
+            for subtile in cutlass.range_constexpr(num_subtiles):
+                for v in cutlass.range_constexpr(subtile_size):
+                    tRS_rAcc_sub[v] = tRS_rAcc[subtile * subtile_size + v]
+                tRS_rC.store(tRS_rAcc_sub.load().to(self.out_dtype))
+                buffer = (subtiles_done + subtile) % self.epi_stages
+                cute.copy(r2s_copy, tRS_rC, tRS_sC[(None, None, None, buffer)])
+                # make the generic-proxy smem writes visible to the TMA unit
+                cute.arch.fence_proxy("async.shared", space="cta")
+                self.epi_barrier.arrive_and_wait()
+                if is_store_warp:
+                    cute.copy(tma_atom_c, tCsC_store[(None, buffer)],
+                              tCgC_store[(None, subtile_order.get_hier_coord(subtile))])
+                    store_pipeline.producer_commit()
+                    store_pipeline.producer_acquire()
+                # the next write into the ring waits until its buffer's store has read it
+                self.epi_barrier.arrive_and_wait()
+            subtiles_done += num_subtiles
+            work_idx += sched.work_stride()
+        if is_store_warp:
+            store_pipeline.producer_tail()
+
+    @cute.jit
+    def _add_bias(self, acc, tCcC, mBias, col_start, num_cols):
+        # columns past N are clamped to N-1: those outputs are clipped by the TMA store
+        last_col = num_cols - 1
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            col = cutlass.min(col_start + tCcC[i][1], last_col)
+            acc[i] = acc[i] + Float32(mBias[col])
+
+
+# ---- compile-time variants ---------------------------------------------------------------
+
+def _spec(ab: str, out: str, a_k_major: bool, b_k_major: bool, bias: bool, activation,
+          config: GemmConfig) -> KernelSpec:
+    return KernelSpec.make(
+        FAMILY_NAME, ARCH, ab=ab, out=out, a_major="k" if a_k_major else "m",
+        b_major="k" if b_k_major else "n", bias=bias, act=activation or "none", **config.spec_params(),
+    )
+
+
+def _fake_operand(dtype, k_major: bool):
+    """(rows, K, L) operand: K-major has stride (ld, 1, batch), else (1, ld, batch)."""
+    rows, k, batch = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    align = TMA_ALIGN_BYTES * 8 // dtype.width
+    ld, batch_stride = cute.sym_int64(divisibility=align), cute.sym_int64(divisibility=align)
+    stride = (ld, 1, batch_stride) if k_major else (1, ld, batch_stride)
+    return cute.runtime.make_fake_tensor(dtype, (rows, k, batch), stride, assumed_align=TMA_ALIGN_BYTES)
+
+
+def build(spec: KernelSpec):
+    ab_dtype, out_dtype = _DSL_TYPES[spec["ab"]], _DSL_TYPES[spec["out"]]
+    activation = None if spec["act"] == "none" else spec["act"]
+    gemm = Sm90Gemm(ab_dtype, out_dtype, spec["a_major"] == "k", spec["b_major"] == "k", spec["bias"],
+                    activation, GemmConfig.from_spec_params(spec))
+    mA = _fake_operand(ab_dtype, gemm.a_k_major)
+    mB = _fake_operand(ab_dtype, gemm.b_k_major)
+    out_align = TMA_ALIGN_BYTES * 8 // out_dtype.width
+    mC = cute.runtime.make_fake_tensor(
+        out_dtype, (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
+        (cute.sym_int64(divisibility=out_align), 1, cute.sym_int64(divisibility=out_align)),
+        assumed_align=TMA_ALIGN_BYTES,
+    )
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if gemm.has_bias:
+        mBias = cute.runtime.make_fake_compact_tensor(ab_dtype, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES)
+        return gemm.run_with_bias, (mA, mB, mBias, mC, Int32(1), stream)
+    return gemm.run, (mA, mB, mC, Int32(1), stream)
+
+
+def shipped(arch: str):
+    """The variants worth compiling ahead: bf16 row-major A and B at the two big tiles,
+    plus the fused bias + gelu_tanh MLP epilogue and the fp16 twin."""
+    if arch != ARCH:
+        return []
+    big, medium = GemmConfig(128, 256, 2, 1), GemmConfig(128, 128, 2, 1)
+    return [
+        _spec("bf16", "bf16", True, False, False, None, big),
+        _spec("bf16", "bf16", True, False, False, None, medium),
+        _spec("bf16", "bf16", True, False, True, "gelu_tanh", big),
+        _spec("fp16", "fp16", True, False, False, None, big),
+    ]
+
+
+def _family():
+    from .. import KernelFamily
+
+    return KernelFamily(FAMILY_NAME, ARCH, shipped, build)
+
+
+FAMILY = _family()
+
+
+# ---- host API (called by the op layer) ---------------------------------------------------
+
+def _operand_view(t: torch.Tensor):
+    """(L, R, C) torch operand -> (same-shape view with TMA-friendly strides, C-is-contiguous).
+
+    For a (L, M, K), C-contiguous means K-major; for b (L, K, N) it means N-major. A
+    size-1 dim carries no stride information, so the majorness comes from a dim of
+    size > 1 with stride 1, and size-1 dims get aligned strides (a free as_strided
+    view; the values are never used for addressing) so the TMA accepts them.
+    """
+    batch, rows, cols = t.shape
+    s_batch, s_rows, s_cols = t.stride()
+    if cols > 1 and s_cols == 1:
+        cols_major = True
+    elif rows > 1 and s_rows == 1:
+        cols_major = False
+    else:  # no size>1 dim with stride 1: a size-1 dim can play the contiguous one
+        cols_major = cols == 1 or rows != 1
+    if cols_major:
+        s_cols = 1 if cols == 1 else s_cols
+        s_rows = _aligned(cols, t) if rows == 1 else s_rows
+    else:
+        s_rows = 1
+        s_cols = _aligned(rows, t) if cols == 1 else s_cols
+    if batch == 1:
+        s_batch = _aligned(rows * cols, t)
+    if (s_batch, s_rows, s_cols) != t.stride():
+        t = t.as_strided(t.shape, (s_batch, s_rows, s_cols))
+    return t, cols_major
+
+
+def _out_view(out: torch.Tensor) -> torch.Tensor:
+    """out (L, M, N) row-major, with aligned strides on size-1 dims (see _operand_view)."""
+    batch, rows, cols = out.shape
+    strides = (_aligned(rows * cols, out) if batch == 1 else out.stride(0),
+               _aligned(cols, out) if rows == 1 else out.stride(1), 1)
+    return out if strides == out.stride() else out.as_strided(out.shape, strides)
+
+
+def _aligned(extent: int, t: torch.Tensor) -> int:
+    per_16b = TMA_ALIGN_BYTES // t.element_size()
+    return max(-(-extent // per_16b) * per_16b, per_16b)
+
+
+def _stride_reason(name: str, t: torch.Tensor, unit_dim: int) -> str | None:
+    per_16b = TMA_ALIGN_BYTES // t.element_size()
+    for d in range(3):
+        if d != unit_dim and t.shape[d] > 1 and t.stride(d) % per_16b:
+            return f"{name}: stride {t.stride(d)} of dim {d} is not a multiple of 16 bytes (TMA)"
+    if t.data_ptr() % TMA_ALIGN_BYTES:
+        return f"{name}: data pointer is not 16-byte aligned (TMA)"
+    return None
+
+
+def unsupported_reason(a, b, bias, activation, out_dtype) -> str | None:
+    """Why this kernel does not cover the case, or None. Launches nothing."""
+    if a.dtype not in INPUT_DTYPES:
+        return f"sm90 gemm kernel: inputs must be bf16 or fp16, got {a.dtype}"
+    if b.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
+        return "sm90 gemm kernel: a, b and bias must share one dtype"
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    if out_dtype not in OUT_DTYPES:
+        return f"sm90 gemm kernel: out dtype must be bf16, fp16 or fp32, got {out_dtype}"
+    if activation is not None and activation not in ACTIVATIONS:
+        return f"sm90 gemm kernel: activation {activation!r} is not one of {ACTIVATIONS}"
+    if a.dim() != 3 or b.dim() != 3:
+        return "sm90 gemm kernel: expects (L, M, K) and (L, K, N) operands"
+    for name, t in (("a", a), ("b", b)):
+        view, cols_major = _operand_view(t)
+        unit_dim = 2 if cols_major else 1
+        if view.stride(unit_dim) != 1:
+            return f"{name}: the TMA needs stride 1 on one of its last two dims, got strides {tuple(t.stride())}"
+        reason = _stride_reason(name, view, unit_dim)
+        if reason:
+            return reason
+    batch, m, k = a.shape
+    n = b.shape[2]
+    if k == 0:
+        return "sm90 gemm kernel: K == 0 (the TMA needs non-empty operands)"
+    out_bytes = out_dtype.itemsize
+    if m > 1 and (n * out_bytes) % TMA_ALIGN_BYTES or batch > 1 and (m * n * out_bytes) % TMA_ALIGN_BYTES:
+        return f"out: rows of N={n} {out_dtype} elements are not a multiple of 16 bytes (TMA store)"
+    if bias is not None and (bias.dim() != 1 or bias.stride(0) != 1 and bias.shape[0] > 1):
+        return "bias: must be a contiguous (N,) vector"
+    if max(batch, m, n, k) >= 2**31:
+        return "sm90 gemm kernel: sizes must fit in int32"
+    return None
+
+
+@functools.cache
+def _max_clusters(device_index: int, cluster_size: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count // cluster_size
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(ab, out, a_k_major, b_k_major, has_bias, activation, m, n, k, batch, device_index):
+    """(compiled fn, max clusters) for one problem; cached so repeated calls skip the heuristic."""
+    config = choose_config(ARCH, m, n, k, batch, _sm_count(device_index))
+    spec = _spec(ab, out, a_k_major, b_k_major, has_bias, activation, config)
+    return get_compiled(spec), _max_clusters(device_index, config.cluster_m * config.cluster_n)
+
+
+def launch(a, b, bias, activation, out, config: GemmConfig | None = None) -> None:
+    """out[l] = act(a[l] @ b[l] + bias) on the current stream. ``config`` overrides the heuristic."""
+    if out.numel() == 0:
+        return
+    a_view, a_k_major = _operand_view(a)
+    b_view, b_n_major = _operand_view(b)
+    _, m, k = a.shape
+    batch, _, n = out.shape
+    device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    ab = _DTYPE_NAMES[a.dtype]
+    out_name = _DTYPE_NAMES[out.dtype]
+    if config is None:
+        fn, max_clusters = _plan(ab, out_name, a_k_major, not b_n_major, bias is not None, activation,
+                                 m, n, k, batch, device_index)
+    else:
+        fn = get_compiled(_spec(ab, out_name, a_k_major, not b_n_major, bias is not None, activation, config))
+        max_clusters = _max_clusters(device_index, config.cluster_m * config.cluster_n)
+    mA = a_view.permute(1, 2, 0)  # (M, K, L)
+    mB = b_view.permute(2, 1, 0)  # (N, K, L)
+    mC = _out_view(out).permute(1, 2, 0)  # (M, N, L)
+    if bias is None:
+        fn(mA, mB, mC, max_clusters)
+    else:
+        fn(mA, mB, bias, mC, max_clusters)
