@@ -18,23 +18,30 @@ multicast the shared operand tile to every CTA that needs it.
 
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
+import torch
+from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from .. import KernelFamily
-from ..common.activation import ACTIVATIONS, apply_activation
+from ..common.activation import apply_activation
 from ..common.compile_cache import KernelSpec, get_compiled
-from ..common.gemm_config import GemmConfig
+from ..common.gemm_config import GemmConfig, choose_config
 from ..common.tile_scheduler import PersistentTileScheduler
+from ..sm90 import gemm as sm90_gemm  # host-side operand views and TMA checks are shared
 
 FAMILY_NAME = "gemm_sm100"
 ARCH = "sm_100a"
 
-_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DSL_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
+TMA_ALIGN_BYTES = 16
 
 # Warp roles; the epilogue warps must be warps 0-3 so that warp i reads TMEM lanes 32i..32i+31.
 EPILOGUE_WARPS = (0, 1, 2, 3)
@@ -76,10 +83,10 @@ def _regroup_mma_modes(tensor: cute.Tensor) -> cute.Tensor:
 class GemmSm100:
     """One compiled variant: dtypes, majorness (read from the tensors), epilogue, tile config."""
 
-    def __init__(self, ab_dtype, out_dtype, bias_dtype, activation, config: GemmConfig):
+    def __init__(self, ab_dtype, out_dtype, has_bias: bool, activation, config: GemmConfig):
         self.ab_dtype = ab_dtype
         self.out_dtype = out_dtype
-        self.bias_dtype = bias_dtype  # None: no bias
+        self.has_bias = has_bias  # the bias has the input dtype (the op layer's contract)
         self.activation = activation
         self.acc_dtype = cutlass.Float32
         self.config = config
@@ -150,15 +157,16 @@ class GemmSm100:
         return tiled_mma.make_fragment_C(cute.append(acc_shape, ACC_STAGES))
 
     @cute.jit
-    def __call__(
-        self,
-        mA_lmk: cute.Tensor,
-        mB_lkn: cute.Tensor,
-        mBias: cute.Tensor | None,
-        mOut_lmn: cute.Tensor,
-        max_clusters: cutlass.Int32,
-        stream,
-    ):
+    def run(self, mA_lmk: cute.Tensor, mB_lkn: cute.Tensor, mOut_lmn: cute.Tensor,
+            max_clusters: cutlass.Int32, stream):
+        self._launch(mA_lmk, mB_lkn, None, mOut_lmn, max_clusters, stream)
+
+    @cute.jit
+    def run_with_bias(self, mA_lmk: cute.Tensor, mB_lkn: cute.Tensor, mBias: cute.Tensor,
+                      mOut_lmn: cute.Tensor, max_clusters: cutlass.Int32, stream):
+        self._launch(mA_lmk, mB_lkn, mBias, mOut_lmn, max_clusters, stream)
+
+    def _launch(self, mA_lmk, mB_lkn, mBias, mOut_lmn, max_clusters, stream):
         # torch's (L, M, K) / (L, K, N) / (L, M, N) -> CuTe's (M, K, L) / (N, K, L) / (M, N, L)
         mA = cute.make_tensor(mA_lmk.iterator, cute.select(mA_lmk.layout, mode=[1, 2, 0]))
         mB = cute.make_tensor(mB_lkn.iterator, cute.select(mB_lkn.layout, mode=[2, 1, 0]))
@@ -526,67 +534,102 @@ class GemmSm100:
 
 
 # ---------------------------------------------------------------------- variants
-def make_spec(ab: str, out: str, bias: str | None, activation: str | None, a_major: str,
+def make_spec(ab: str, out: str, has_bias: bool, activation: str | None, a_major: str,
               b_major: str, config: GemmConfig) -> KernelSpec:
     """``a_major`` is "k" or "m" (A is (L, M, K)); ``b_major`` is "n" or "k" (B is (L, K, N))."""
     return KernelSpec.make(
-        FAMILY_NAME, ARCH, ab=ab, out=out, bias=bias, activation=activation,
+        FAMILY_NAME, ARCH, ab=ab, out=out, bias=has_bias, act=activation or "none",
         a_major=a_major, b_major=b_major, **config.spec_params(),
     )
 
 
 def _fake_operand(dtype, unit_stride_mode: int):
-    """A fake (L, R, C) tensor whose ``unit_stride_mode`` (1 or 2) is contiguous.
+    """A fake torch-order (L, R, C) tensor whose mode ``unit_stride_mode`` (1 or 2) is contiguous.
 
     Sizes are symbolic (no recompile per shape); the other strides carry the 16-byte
-    divisibility TMA needs.
+    divisibility the TMA needs.
     """
-    elems_16b = 128 // dtype.width
-    strides = [cute.sym_int64(divisibility=elems_16b) for _ in range(3)]
+    per_16b = TMA_ALIGN_BYTES * 8 // dtype.width
+    strides = [cute.sym_int64(divisibility=per_16b) for _ in range(3)]
     strides[unit_stride_mode] = 1
     shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
-    return cute.runtime.make_fake_tensor(dtype, shape, tuple(strides), assumed_align=16)
+    return cute.runtime.make_fake_tensor(dtype, shape, tuple(strides), assumed_align=TMA_ALIGN_BYTES)
 
 
 def build(spec: KernelSpec):
-    ab, out, bias = _DTYPES[spec["ab"]], _DTYPES[spec["out"]], spec["bias"]
-    config = GemmConfig.from_spec_params(spec)
-    kernel = GemmSm100(ab, out, _DTYPES[bias] if bias else None, spec["activation"], config)
-    fake_bias = None
-    if bias:
-        fake_bias = cute.runtime.make_fake_tensor(
-            _DTYPES[bias], (cute.sym_int32(),), (1,), assumed_align=_DTYPES[bias].width // 8
-        )
-    fake_args = (
-        _fake_operand(ab, 2 if spec["a_major"] == "k" else 1),
-        _fake_operand(ab, 2 if spec["b_major"] == "n" else 1),
-        fake_bias,
-        _fake_operand(out, 2),
-        cutlass.Int32(1),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-    )
-    return kernel, fake_args
+    ab, out = _DSL_TYPES[spec["ab"]], _DSL_TYPES[spec["out"]]
+    activation = None if spec["act"] == "none" else spec["act"]
+    gemm = GemmSm100(ab, out, spec["bias"], activation, GemmConfig.from_spec_params(spec))
+    mA = _fake_operand(ab, 2 if spec["a_major"] == "k" else 1)
+    mB = _fake_operand(ab, 2 if spec["b_major"] == "n" else 1)
+    mOut = _fake_operand(out, 2)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if spec["bias"]:
+        mBias = cute.runtime.make_fake_compact_tensor(ab, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES)
+        return gemm.run_with_bias, (mA, mB, mBias, mOut, Int32(1), stream)
+    return gemm.run, (mA, mB, mOut, Int32(1), stream)
 
 
-# A handful of variants: 1-CTA and 2-CTA (with multicast), plain and fused epilogues,
-# the two common majorness combinations (row-major x row-major, row-major x nn.Linear weight).
-SHIPPED_CONFIGS = {
-    "1cta": GemmConfig(128, 256),
-    "2cta": GemmConfig(256, 256, 2, 1),
-    "2cta_mcast": GemmConfig(256, 256, 4, 1),
-}
-
-
+# A handful of variants: 1-CTA and 2-CTA (+ 4x1 multicast) tiles, plain and fused epilogues,
+# row-major B (x @ W) and K-major B (x @ W.T, an nn.Linear weight), one fp16 -> fp32.
 def shipped(arch: str):
     if arch != ARCH:
         return []
+    one_cta, two_cta, two_cta_mcast = GemmConfig(128, 256), GemmConfig(256, 256, 2, 1), GemmConfig(256, 256, 4, 1)
     return [
-        make_spec("bf16", "bf16", None, None, "k", "n", SHIPPED_CONFIGS["1cta"]),
-        make_spec("bf16", "bf16", "bf16", "gelu_tanh", "k", "k", SHIPPED_CONFIGS["1cta"]),
-        make_spec("bf16", "bf16", None, None, "k", "n", SHIPPED_CONFIGS["2cta"]),
-        make_spec("bf16", "bf16", "bf16", "relu", "k", "k", SHIPPED_CONFIGS["2cta"]),
-        make_spec("fp16", "fp32", None, "silu", "m", "n", SHIPPED_CONFIGS["2cta_mcast"]),
+        make_spec("bf16", "bf16", False, None, "k", "n", one_cta),
+        make_spec("bf16", "bf16", True, "gelu_tanh", "k", "k", one_cta),
+        make_spec("bf16", "bf16", False, None, "k", "n", two_cta),
+        make_spec("bf16", "bf16", True, "relu", "k", "k", two_cta),
+        make_spec("fp16", "fp32", True, "silu", "m", "n", two_cta_mcast),
     ]
 
 
 FAMILY = KernelFamily(FAMILY_NAME, ARCH, shipped, build)
+
+
+# ---------------------------------------------------------------------- host API (op layer)
+def unsupported_reason(a, b, bias, activation, out_dtype) -> str | None:
+    """Why this kernel does not cover the case, or None. Launches nothing.
+
+    The TMA limits are those of the Hopper kernel (same operand views, same 16-byte rules).
+    """
+    reason = sm90_gemm.unsupported_reason(a, b, bias, activation, out_dtype)
+    return None if reason is None else reason.replace("sm90 gemm kernel", "sm100 gemm kernel")
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(ab, out, a_major, b_major, has_bias, activation, m, n, k, batch, device_index, config=None):
+    """(compiled fn, max clusters) for one problem; cached so repeated calls skip the heuristic."""
+    sm_count = _sm_count(device_index)
+    config = config or choose_config(ARCH, m, n, k, batch, sm_count)
+    spec = make_spec(ab, out, has_bias, activation, a_major, b_major, config)
+    return get_compiled(spec), sm_count // (config.cluster_m * config.cluster_n)
+
+
+def launch(a, b, bias, activation, out, config: GemmConfig | None = None) -> None:
+    """out[l] = act(a[l] @ b[l] + bias) on the current stream. ``config`` overrides the heuristic.
+
+    a (L, M, K), b (L, K, N), bias (N,) or None, out (L, M, N) row-major, all on one device.
+    """
+    if out.numel() == 0:
+        return
+    a_view, a_k_major = sm90_gemm._operand_view(a)
+    b_view, b_n_major = sm90_gemm._operand_view(b)
+    batch, m, k = a.shape
+    n = out.shape[2]
+    device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    fn, max_clusters = _plan(
+        _DTYPE_NAMES[a.dtype], _DTYPE_NAMES[out.dtype], "k" if a_k_major else "m",
+        "n" if b_n_major else "k", bias is not None, activation, m, n, k, batch, device_index, config,
+    )
+    out_view = sm90_gemm._out_view(out)
+    if bias is None:
+        fn(a_view, b_view, out_view, max_clusters)
+    else:
+        fn(a_view, b_view, bias, out_view, max_clusters)
