@@ -96,10 +96,11 @@ def _backward(ctx, grad):
         pre = torch.ops.cute.gemm(a, b, bias, None, reference._acc_dtype(a.dtype))
         grad = reference.activation_backward(ctx.activation, grad.to(pre.dtype), pre)
     grad = grad.to(a.dtype)
-    need_a, need_b, need_bias = ctx.needs_input_grad[:3]
+    # trailing arguments left at their defaults have no entry in needs_input_grad
+    need_a, need_b, need_bias = (*ctx.needs_input_grad, False, False)[:3]
     grad_a = torch.ops.cute.gemm(grad, b.mT) if need_a else None
     grad_b = torch.ops.cute.gemm(a.mT, grad) if need_b else None
-    grad_bias = grad.sum(dim=tuple(range(grad.dim() - 1))) if need_bias else None
+    grad_bias = grad.sum(dim=tuple(range(grad.dim() - 1))) if need_bias and bias is not None else None
     return grad_a, grad_b, grad_bias, None, None
 
 

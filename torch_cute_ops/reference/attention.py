@@ -60,7 +60,7 @@ def flash_attn_fwd(q, k, v, softmax_scale: float, causal: bool):
     qf, kf, vf = q.to(acc), _expand_kv(k.to(acc), hq), _expand_kv(v.to(acc), hq)
     p, lse = _probabilities(qf, kf, softmax_scale, causal)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vf)
-    return out.to(q.dtype), lse.contiguous()
+    return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 def flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale: float, causal: bool):
@@ -75,4 +75,5 @@ def flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale: float, causal: bool):
     ds = p * (dp - delta[..., None])
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * softmax_scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * softmax_scale
-    return (dq.to(q.dtype), _reduce_kv(dk, hkv).to(k.dtype), _reduce_kv(dv, hkv).to(v.dtype))
+    grads = (dq.to(q.dtype), _reduce_kv(dk, hkv).to(k.dtype), _reduce_kv(dv, hkv).to(v.dtype))
+    return tuple(g.contiguous() for g in grads)

@@ -151,7 +151,8 @@ def _load_from_disk(spec: KernelSpec) -> Callable | None:
     return fn
 
 
-def _store_to_disk(spec: KernelSpec, compiled) -> None:
+def store_to_disk(spec: KernelSpec, compiled) -> None:
+    """Export a compiled variant to the on-disk cache (a no-op when the cache is off)."""
     paths = _disk_paths(spec)
     if paths is None:
         return
@@ -179,7 +180,7 @@ def get_compiled(spec: KernelSpec) -> Callable:
             stats.compile_seconds += time.perf_counter() - start
             stats.compiles += 1
             try:
-                _store_to_disk(spec, fn)
+                store_to_disk(spec, fn)
             except OSError:
                 pass  # a read-only cache folder costs only the next process a compile
         _memory[spec] = fn

@@ -1,0 +1,62 @@
+"""Fake (meta) functions give the real shapes, dtypes and strides; opcheck passes on every op."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import torch_cute_ops  # noqa: F401
+
+
+def _gemm_cases():
+    return [
+        ((37, 19), (19, 23), None, None, None),
+        ((3, 37, 19), (3, 19, 23), (23,), "gelu_tanh", torch.float32),
+        ((37, 19), (19, 23), (23,), "silu", None),
+    ]
+
+
+@pytest.mark.parametrize("a_shape,b_shape,bias_shape,act,out_dtype", _gemm_cases())
+def test_gemm_fake_matches_real(a_shape, b_shape, bias_shape, act, out_dtype):
+    a, b = torch.randn(a_shape), torch.randn(b_shape)
+    bias = torch.randn(bias_shape) if bias_shape else None
+    real = torch.ops.cute.gemm(a, b, bias, act, out_dtype)
+    with FakeTensorMode() as mode:
+        fa, fb = mode.from_tensor(a), mode.from_tensor(b)
+        fbias = mode.from_tensor(bias) if bias is not None else None
+        fake = torch.ops.cute.gemm(fa, fb, fbias, act, out_dtype)
+    assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+
+
+@pytest.mark.parametrize("sq,sk,hq,hkv", [(17, 17, 4, 4), (9, 33, 8, 2), (33, 9, 4, 1)])
+def test_attention_fakes_match_real(sq, sk, hq, hkv):
+    q, k, v = torch.randn(2, sq, hq, 32), torch.randn(2, sk, hkv, 32), torch.randn(2, sk, hkv, 32)
+    out, lse = torch.ops.cute.flash_attn_fwd(q, k, v, 0.2, True)
+    grads = torch.ops.cute.flash_attn_bwd(torch.randn_like(out), q, k, v, out, lse, 0.2, True)
+    with FakeTensorMode() as mode:
+        fq, fk, fv, fo, fl = (mode.from_tensor(t) for t in (q, k, v, out, lse))
+        fout, flse = torch.ops.cute.flash_attn_fwd(fq, fk, fv, 0.2, True)
+        fgrads = torch.ops.cute.flash_attn_bwd(mode.from_tensor(out), fq, fk, fv, fo, fl, 0.2, True)
+    for fake, real in zip((fout, flse, *fgrads), (out, lse, *grads)):
+        assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+    assert lse.dtype == torch.float32 and lse.shape == (2, hq, sq)
+
+
+def _req(*ts):
+    return [t.requires_grad_() for t in ts]
+
+
+def test_opcheck_gemm():
+    a, b = _req(torch.randn(2, 9, 5), torch.randn(2, 5, 7))
+    bias = torch.randn(7, requires_grad=True)
+    for act in (None, "relu", "gelu_tanh", "silu"):
+        torch.library.opcheck(torch.ops.cute.gemm.default, (a, b, bias, act, None))
+    torch.library.opcheck(torch.ops.cute.gemm.default, (a[0].detach(), b[0].detach().mT.contiguous().mT))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_opcheck_flash_attn(causal):
+    q, k, v = _req(torch.randn(2, 9, 4, 16), torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 16))
+    torch.library.opcheck(torch.ops.cute.flash_attn_fwd.default, (q, k, v, 0.25, causal))
+    out, lse = torch.ops.cute.flash_attn_fwd(q, k, v, 0.25, causal)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, 0.25, causal)
+    torch.library.opcheck(torch.ops.cute.flash_attn_bwd.default, args)

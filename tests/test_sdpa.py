@@ -1,0 +1,125 @@
+"""The SDPA drop-in: PyTorch's signature and results, its fallbacks, and the routing switch."""
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_cute_ops as tco
+from torch_cute_ops.ops import fallback
+
+TORCH_SDPA = F.scaled_dot_product_attention
+
+
+def test_signature_is_pytorchs():
+    ours = inspect.signature(tco.scaled_dot_product_attention)
+    params = list(ours.parameters.values())
+    assert [p.name for p in params] == ["query", "key", "value", "attn_mask", "dropout_p", "is_causal",
+                                        "scale", "enable_gqa"]
+    assert [p.default for p in params[3:]] == [None, 0.0, False, None, False]
+
+
+def _bhsd(b, h, s, d, dtype=torch.float32):
+    return torch.randn(b, h, s, d, dtype=dtype)
+
+
+@pytest.mark.parametrize("scale", [None, 0.37])
+@pytest.mark.parametrize("causal,hq,hkv,sq,sk", [(False, 4, 4, 33, 33), (True, 4, 4, 33, 33), (True, 8, 2, 17, 17),
+                                                 (False, 4, 4, 5, 40), (False, 4, 1, 40, 7)])
+def test_matches_pytorch(causal, scale, hq, hkv, sq, sk):
+    q, k, v = _bhsd(2, hq, sq, 32), _bhsd(2, hkv, sk, 32), _bhsd(2, hkv, sk, 32)
+    kw = dict(is_causal=causal, scale=scale, enable_gqa=hq != hkv)
+    torch.testing.assert_close(tco.scaled_dot_product_attention(q, k, v, **kw), TORCH_SDPA(q, k, v, **kw))
+    assert fallback.counts() == {}
+
+
+def test_non_contiguous_inputs_from_transposed_projections():
+    x = torch.randn(2, 19, 4 * 16)  # (B, S, H*D) as a projection produces it
+    q = x.view(2, 19, 4, 16).transpose(1, 2)  # (B, H, S, D) view, not contiguous
+    torch.testing.assert_close(tco.scaled_dot_product_attention(q, q, q, is_causal=True),
+                               TORCH_SDPA(q, q, q, is_causal=True))
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(attn_mask=torch.ones(9, 9, dtype=torch.bool).tril()), "attn_mask is not supported by the kernels"),
+    (dict(dropout_p=0.5), "dropout is not supported by the kernels"),
+])
+def test_uncovered_features_go_to_pytorch_and_are_counted(kwargs, reason):
+    q = _bhsd(1, 2, 9, 16)
+    torch.manual_seed(0)
+    ours = tco.scaled_dot_product_attention(q, q, q, **kwargs)
+    torch.manual_seed(0)
+    torch.testing.assert_close(ours, TORCH_SDPA(q, q, q, **kwargs))
+    assert fallback.counts() == {("scaled_dot_product_attention", reason): 1}
+
+
+def test_top_left_causal_with_different_lengths_goes_to_pytorch():
+    q, k = _bhsd(1, 2, 5, 16), _bhsd(1, 2, 12, 16)
+    torch.testing.assert_close(tco.scaled_dot_product_attention(q, k, k, is_causal=True),
+                               TORCH_SDPA(q, k, k, is_causal=True))
+    assert list(fallback.counts())[0][1].startswith("is_causal with seqlen_q != seqlen_k")
+
+
+def test_value_head_dim_and_rank_fallbacks():
+    q, k, v = _bhsd(1, 2, 5, 16), _bhsd(1, 2, 5, 16), _bhsd(1, 2, 5, 8)
+    torch.testing.assert_close(tco.scaled_dot_product_attention(q, k, v), TORCH_SDPA(q, k, v))
+    q3 = torch.randn(2, 5, 16)
+    torch.testing.assert_close(tco.scaled_dot_product_attention(q3, q3, q3), TORCH_SDPA(q3, q3, q3))
+    assert len(fallback.counts()) == 2
+
+
+def test_pytorch_errors_are_kept():
+    q, k = _bhsd(1, 4, 5, 16), _bhsd(1, 2, 5, 16)
+    with pytest.raises(RuntimeError):  # head counts differ and enable_gqa is False, as in PyTorch
+        tco.scaled_dot_product_attention(q, k, k)
+
+
+def test_strict_mode_refuses_the_pytorch_fallback(monkeypatch):
+    monkeypatch.setenv("TORCH_CUTE_OPS_STRICT", "1")
+    q = _bhsd(1, 2, 9, 16)
+    with pytest.raises(tco.FallbackError, match="dropout"):
+        tco.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+
+class TinyAttention(torch.nn.Module):
+    """A model that knows nothing of torch_cute_ops: it calls F.scaled_dot_product_attention."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+def test_override_routes_an_unchanged_model_and_restores(monkeypatch):
+    calls = []
+    real_op = torch.ops.cute.flash_attn_fwd
+    monkeypatch.setattr(torch.ops.cute, "flash_attn_fwd", lambda *a: calls.append(1) or real_op(*a),
+                        raising=False)
+    model, x = TinyAttention(), torch.randn(2, 11, 32)
+    expected = model(x)
+    assert not calls
+    with tco.sdpa_override():
+        assert tco.sdpa_override_enabled()
+        torch.testing.assert_close(model(x), expected)
+    assert calls and F.scaled_dot_product_attention is TORCH_SDPA
+    tco.enable_sdpa_override()
+    try:
+        with tco.sdpa_override():
+            pass
+        assert tco.sdpa_override_enabled()  # the context manager keeps a global switch that was on
+    finally:
+        tco.disable_sdpa_override()
+    assert F.scaled_dot_product_attention is TORCH_SDPA
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 7), (2, 3, 7)])
+def test_linear_matches_pytorch(shape):
+    x, w, bias = torch.randn(shape), torch.randn(5, 7), torch.randn(5)
+    torch.testing.assert_close(tco.linear(x, w, bias), F.linear(x, w, bias))
+    torch.testing.assert_close(tco.linear(x, w), F.linear(x, w))

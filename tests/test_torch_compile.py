@@ -1,0 +1,75 @@
+"""torch.compile(fullgraph=True, dynamic=True) sees the ops: no graph breaks, no recompiles."""
+
+import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import torch_cute_ops as tco
+
+
+class Block(torch.nn.Module):
+    """gemm with a fused epilogue, linear, and SDPA through the drop-in."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.w_qkv = torch.nn.Parameter(torch.randn(dim, 3 * dim) / dim ** 0.5)
+        self.b_qkv = torch.nn.Parameter(torch.zeros(3 * dim))
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        qkv = tco.gemm(x.reshape(b * s, d), self.w_qkv, self.b_qkv, "silu")
+        q, k, v = qkv.view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = tco.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return tco.linear(y.transpose(1, 2).reshape(b, s, d), self.out.weight, self.out.bias)
+
+
+SIZES = [(2, 16), (3, 29), (5, 7)]
+
+
+def test_fullgraph_dynamic_without_recompiles():
+    torch._dynamo.reset()
+    model = Block()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    frames = []
+    for batch, seqlen in SIZES:
+        x = torch.randn(batch, seqlen, 32, requires_grad=True)
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x))
+        out.sum().backward()
+        frames.append(counter.frame_count)
+    assert frames[0] > 0 and frames == [frames[0]] * len(SIZES), f"recompiled for new sizes: {frames}"
+
+
+def test_inductor_forward_and_backward_match_eager():
+    torch._dynamo.reset()
+    model = Block()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    x = torch.randn(2, 13, 32, requires_grad=True)
+    out = compiled(x)
+    ref = model(x)
+    torch.testing.assert_close(out, ref)
+    (grad_c,) = torch.autograd.grad(out.square().sum(), x)
+    (grad_e,) = torch.autograd.grad(ref.square().sum(), x)
+    torch.testing.assert_close(grad_c, grad_e)
+
+
+def test_sdpa_override_under_compile_traces_the_ops():
+    torch._dynamo.reset()
+    q = torch.randn(2, 4, 9, 16)
+
+    def fn(q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm
+
+    with tco.sdpa_override():
+        out = torch.compile(fn, backend=backend, fullgraph=True)(q)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert "cute.flash_attn_fwd" in graphs[0].code

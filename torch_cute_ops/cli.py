@@ -1,0 +1,233 @@
+"""``python -m torch_cute_ops``: the main job, and the ``compile`` command.
+
+    python -m torch_cute_ops
+        environment report, which kernels serve this machine, a self-check of every op
+        against its reference, and (with a GPU) a short timing table against PyTorch;
+        without a GPU, the compile-only report for sm_90a.
+
+    python -m torch_cute_ops compile --arch {sm_90a,sm_100a} [--kernel NAME] --ptx-dir DIR
+        compiles every kernel variant the package ships for that arch (no GPU needed), writes
+        one .ptx (and .cubin) per variant named by kernel and config, and prints the variants
+        with counts of the key instructions. The compiled variants also land in the on-disk
+        cache, so running it on a GPU machine pre-warms that cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+KEY_INSTRUCTIONS = ("wgmma.mma_async", "tcgen05.mma", "cp.async.bulk.tensor", "setmaxnreg")
+
+
+def count_instructions(ptx: str, names=KEY_INSTRUCTIONS) -> dict[str, int]:
+    """Instruction lines per mnemonic prefix (an optional ``@p`` predicate may precede)."""
+    counts = dict.fromkeys(names, 0)
+    for line in ptx.splitlines():
+        match = re.match(r"\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)", line)
+        if match:
+            op = match.group(1)
+            for name in names:
+                if op.startswith(name):
+                    counts[name] += 1
+    return counts
+
+
+def compile_variants(arch: str, ptx_dir: Path, kernel: str | None = None, out=sys.stdout) -> list[dict]:
+    """Compile every shipped variant for ``arch`` into ``ptx_dir``; return one row per variant."""
+    from .kernels import shipped_specs
+    from .kernels.common.compile_cache import compile_spec, store_to_disk
+
+    specs = shipped_specs(arch, kernel)
+    if not specs:
+        print(f"no kernel variants for {arch}" + (f" matching {kernel!r}" if kernel else ""), file=out)
+        return []
+    ptx_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for spec in specs:
+        with tempfile.TemporaryDirectory() as dump:
+            start = time.perf_counter()
+            compiled = compile_spec(spec, dump_dir=dump)
+            seconds = time.perf_counter() - start
+            store_to_disk(spec, compiled)
+            ptx_files = sorted(Path(dump).glob("*.ptx"))
+            cubins = sorted(Path(dump).glob("*.cubin"))
+            ptx = "\n".join(p.read_text() for p in ptx_files)
+            (ptx_dir / f"{spec.name}.ptx").write_text(ptx)
+            for i, cubin in enumerate(cubins):
+                shutil.copy(cubin, ptx_dir / f"{spec.name}{'' if i == 0 else f'.{i}'}.cubin")
+        row = {"variant": spec.name, "family": spec.family, "seconds": seconds,
+               "cubin": bool(cubins), "target": arch in ptx, **count_instructions(ptx)}
+        rows.append(row)
+        _print_row(row, out, header=len(rows) == 1)
+    return rows
+
+
+def _print_row(row: dict, out, header: bool) -> None:
+    cols = ["wgmma.mma_async", "tcgen05.mma", "cp.async.bulk.tensor", "setmaxnreg"]
+    if header:
+        print(f"{'variant':<72} {'s':>5} " + " ".join(f"{c:>20}" for c in cols), file=out)
+    print(f"{row['variant'][:72]:<72} {row['seconds']:5.1f} " + " ".join(f"{row[c]:>20}" for c in cols), file=out)
+
+
+# ----------------------------------------------------------------------------- main job
+
+def _environment() -> list[tuple[str, str]]:
+    rows = [("python", platform.python_version()), ("torch", torch.__version__),
+            ("torch CUDA", str(torch.version.cuda))]
+    for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
+        try:
+            from importlib.metadata import version
+
+            rows.append((dist, version(dist)))
+        except Exception:
+            rows.append((dist, "not installed"))
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        rows.append(("GPU", f"{torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]}, "
+                            f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs)"))
+    else:
+        rows.append(("GPU", "none"))
+    return rows
+
+
+def _kernels_here(device: torch.device) -> list[tuple[str, str]]:
+    from .ops import dispatch
+
+    rows = []
+    for op in ("gemm", "flash_attn_fwd", "flash_attn_bwd"):
+        kernel = dispatch.kernel_for(op, device)
+        rows.append((op, kernel if isinstance(kernel, str) else f"kernel {kernel.__name__}"))
+    return rows
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def self_check(device: torch.device) -> list[tuple[str, float, float]]:
+    """(check, relative error, bound) for every op on fresh random inputs vs the fp64 reference."""
+    from . import functional
+    from .reference import attention as ref_attn
+    from .reference import gemm as ref_gemm
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bound = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    gen = torch.Generator(device=device).manual_seed(int(time.time()))
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+
+    rows = []
+    a, b, bias = randn(2, 333, 264), randn(2, 264, 520), randn(520)
+    for act in (None, "gelu_tanh"):
+        out = functional.gemm(a, b, bias, act)
+        ref = ref_gemm.gemm(a.double(), b.double(), bias.double(), act, torch.float64)
+        rows.append((f"gemm bias act={act} (2x333x520x264)", _rel_err(out, ref), bound))
+    out = functional.gemm(a[0].mT.contiguous().mT, b[0].mT.contiguous().mT)
+    rows.append(("gemm column-major a, b", _rel_err(out, a[0].double() @ b[0].double()), bound))
+
+    q, k, v = randn(2, 300, 8, 128), randn(2, 257, 2, 128), randn(2, 257, 2, 128)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    for causal in (False, True):
+        out, lse = functional.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        ref_out, ref_lse = ref_attn.flash_attn_fwd(q.double(), k.double(), v.double(), 128 ** -0.5, causal)
+        rows.append((f"flash_attn fwd out causal={causal} (GQA 4, 300x257)", _rel_err(out, ref_out), bound))
+        finite = torch.isfinite(ref_lse)
+        rows.append((f"flash_attn fwd lse causal={causal}", _rel_err(lse[finite], ref_lse[finite]), bound))
+        dout = randn(*out.shape)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        ref_grads = ref_attn.flash_attn_bwd(dout.double(), q.double(), k.double(), v.double(), ref_out,
+                                            ref_lse, 128 ** -0.5, causal)
+        for name, g, r in zip("qkv", grads, ref_grads):
+            rows.append((f"flash_attn bwd d{name} causal={causal}", _rel_err(g, r), 2 * bound))
+    return rows
+
+
+def _timing_table(device: torch.device) -> list[tuple[str, float, float]]:
+    """(case, ms of torch_cute_ops, ms of PyTorch) on a few representative sizes."""
+    import torch.nn.functional as F
+
+    from . import functional
+
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return []
+
+    def bench(fn):
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    dt = torch.bfloat16
+    a, b = torch.randn(4096, 4096, device=device, dtype=dt), torch.randn(4096, 4096, device=device, dtype=dt)
+    bias = torch.randn(4096, device=device, dtype=dt)
+    rows = [("gemm 4096^3 bf16", bench(lambda: functional.gemm(a, b)), bench(lambda: a @ b)),
+            ("gemm+bias+gelu 4096^3", bench(lambda: functional.gemm(a, b, bias, "gelu_tanh")),
+             bench(lambda: F.gelu(torch.addmm(bias, a, b), approximate="tanh")))]
+    q = torch.randn(4, 16, 4096, 128, device=device, dtype=dt)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    for causal in (False, True):
+        rows.append((f"sdpa fwd B4 H16 S4096 D128 causal={causal}",
+                     bench(lambda: functional_sdpa(q, k, v, causal)),
+                     bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))))
+    return rows
+
+
+def functional_sdpa(q, k, v, causal):
+    from .sdpa import scaled_dot_product_attention
+
+    return scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def main_job() -> int:
+    print("== environment")
+    for key, value in _environment():
+        print(f"  {key:<20} {value}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"== kernels serving {device}")
+    for op, what in _kernels_here(device):
+        print(f"  {op:<20} {what}")
+    print(f"== self-check on {device} against the float64 reference")
+    failed = 0
+    for name, err, bound in self_check(device):
+        ok = err <= bound
+        failed += not ok
+        print(f"  {'PASS' if ok else 'FAIL'}  {name:<52} rel err {err:.2e} (bound {bound:.0e})")
+    if device.type == "cuda":
+        print("== timing (median ms, triton.testing.do_bench)")
+        print(f"  {'case':<44} {'cute':>8} {'torch':>8} {'speedup':>8}")
+        for name, ours, theirs in _timing_table(device):
+            print(f"  {name:<44} {ours:8.3f} {theirs:8.3f} {theirs / ours:7.2f}x")
+    else:
+        print("== no GPU here: compile-only report for sm_90a")
+        with tempfile.TemporaryDirectory() as ptx_dir:
+            compile_variants("sm_90a", Path(ptx_dir))
+    print("self-check:", "all passed" if not failed else f"{failed} FAILED")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_cute_ops", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    comp = sub.add_parser("compile", help="compile every shipped kernel variant for an arch, without a GPU")
+    comp.add_argument("--arch", required=True, choices=("sm_90a", "sm_100a"))
+    comp.add_argument("--kernel", default=None, help="only the variants of this family (e.g. gemm, gemm_sm90)")
+    comp.add_argument("--ptx-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "compile":
+        rows = compile_variants(args.arch, args.ptx_dir, args.kernel)
+        return 0 if rows else 1
+    return main_job()
