@@ -128,7 +128,7 @@ def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
     """
     dst_pairs = cute.recast_tensor(dst, Int32)
     to_bf16 = dst.element_type is cutlass.BFloat16
-    for i in cutlass.range_constexpr(cute.size(dst_pairs)):
+    for i in cutlass.range(cute.size(dst_pairs), unroll_full=True):
         dst_pairs[i] = _cvt_pair(src[2 * i], src[2 * i + 1], to_bf16)
 
 

@@ -1,0 +1,87 @@
+"""Compile-only checks of the Hopper attention forward (no GPU needed).
+
+Compiles a few shipped variants for sm_90a and reads the PTX: the kernel must use
+the FA3 building blocks (TMA loads and store, WGMMA with Q K^T from smem and P V
+with P from registers, setmaxnreg for the producer/consumer split, named-barrier
+ping-pong) and must not touch local memory.
+"""
+
+import re
+
+import pytest
+
+from torch_cute_ops.kernels.sm90 import flash_fwd
+
+# (dtype, head_dim, causal): the 2-WG pingpong tile, its causal twin, and the 3-WG tile
+VARIANTS = [("bf16", 128, False), ("bf16", 128, True), ("fp16", 64, False)]
+
+
+@pytest.fixture(scope="module")
+def ptx_by_variant(tmp_path_factory):
+    import os
+
+    from torch_cute_ops.kernels.common.compile_cache import compile_spec
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    found = {}
+    for dtype, head_dim, causal in VARIANTS:
+        spec = flash_fwd._spec(dtype, head_dim, causal)
+        dump = tmp_path_factory.mktemp(f"{dtype}_{head_dim}_{int(causal)}")
+        compile_spec(spec, dump_dir=dump)
+        (ptx,) = dump.glob("*.ptx")
+        found[(dtype, head_dim, causal)] = ptx.read_text()
+    return found
+
+
+def wgmma_lines(ptx: str) -> list[str]:
+    return [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-d{v[1]}-causal{int(v[2])}")
+def test_fa3_instruction_mix(ptx_by_variant, variant):
+    dtype, head_dim, causal = variant
+    ptx = ptx_by_variant[variant]
+    assert re.search(r"^\.target\s+sm_90a", ptx, re.M)
+
+    # S = Q K^T: both operands are smem descriptors -> "{acc...}, %rdA, %rdB"
+    # O += P V: A is a register list -> "{acc...}, {a0, a1, a2, a3}, %rdB"
+    lines = wgmma_lines(ptx)
+    ab = "bf16.bf16" if dtype == "bf16" else "f16.f16"
+    rs = [line for line in lines if re.search(r"\},\s*\{[^}]*\},\s*%rd", line)]
+    ss = [line for line in lines if re.search(r"\},\s*%rd\d+,\s*%rd\d+", line)]
+    assert rs and ss, f"expected SS and RS wgmma, got {len(ss)} SS / {len(rs)} RS"
+    tile_n = flash_fwd.config_for(head_dim).tile_n
+    assert all(f"m64n{tile_n}k16.f32.{ab}" in line for line in ss)
+    assert all(f"m64n{head_dim}k16.f32.{ab}" in line for line in rs)
+
+    # TMA: Q/K/V loads completing on mbarriers, O stored back
+    assert "cp.async.bulk.tensor.4d.shared::cta.global" in ptx
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
+    assert "mbarrier.try_wait" in ptx
+    # producer gives registers away, consumers take them
+    assert "setmaxnreg.dec.sync.aligned.u32" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32" in ptx
+    # exp2 softmax, 16-bit P packed two at a time, O to smem with stmatrix
+    assert "ex2.approx" in ptx
+    assert ("cvt.rn.bf16x2.f32" if dtype == "bf16" else "cvt.rn.f16x2.f32") in ptx
+    assert "stmatrix" in ptx
+    # ping-pong: consumer WGs pass the tensor cores on with named barriers
+    assert "bar.arrive" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_causal_variant_masks_more(ptx_by_variant):
+    """The causal variant has its own masked loop: more WGMMAs than the full one."""
+    full = len(wgmma_lines(ptx_by_variant[("bf16", 128, False)]))
+    causal = len(wgmma_lines(ptx_by_variant[("bf16", 128, True)]))
+    assert causal > full
+
+
+def test_shipped_variants():
+    specs = list(flash_fwd.shipped("sm_90a"))
+    assert flash_fwd._spec("bf16", 128, True) in specs and len(specs) <= 8
+    assert flash_fwd.shipped("sm_100a") == []
+    for head_dim in flash_fwd.HEAD_DIMS:
+        cfg = flash_fwd.config_for(head_dim)
+        smem = 2 * head_dim * (cfg.tile_m + 2 * cfg.num_stages * cfg.tile_n)
+        assert smem <= 227 * 1024, (head_dim, smem)
