@@ -28,6 +28,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 import torch
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.tensor_utils import LayoutEnum
 
 from .. import KernelFamily
 from ..common.activation import apply_activation
@@ -172,9 +173,9 @@ class GemmSm100:
         mB = cute.make_tensor(mB_lkn.iterator, cute.select(mB_lkn.layout, mode=[2, 1, 0]))
         mOut = cute.make_tensor(mOut_lmn.iterator, cute.select(mOut_lmn.layout, mode=[1, 2, 0]))
         self._plan(
-            utils.LayoutEnum.from_tensor(mA).mma_major_mode(),
-            utils.LayoutEnum.from_tensor(mB).mma_major_mode(),
-            utils.LayoutEnum.from_tensor(mOut),
+            LayoutEnum.from_tensor(mA).mma_major_mode(),
+            LayoutEnum.from_tensor(mB).mma_major_mode(),
+            LayoutEnum.from_tensor(mOut),
         )
         tiled_mma = self.tiled_mma
 
@@ -264,7 +265,7 @@ class GemmSm100:
             tmem_dealloc_mbar: cutlass.Int64
             tmem_addr: cutlass.Int32
 
-        smem = utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
 
         # A/B ring: TMA (producer thread, leader CTA's barrier) -> tcgen05.mma (consumer)

@@ -1,0 +1,98 @@
+"""Compile-only checks of the Blackwell GEMM (no Blackwell GPU exists here): every
+shipped variant compiles for sm_100a to PTX and a cubin with the tcgen05 / TMA
+instruction mix, no local memory, and a shared-memory and TMEM plan that fits."""
+
+import re
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+import cutlass.cute as cute  # noqa: E402
+
+from torch_cute_ops.kernels.common.compile_cache import COMPILE_OPTIONS  # noqa: E402
+from torch_cute_ops.kernels.common.gemm_config import GemmConfig  # noqa: E402
+from torch_cute_ops.kernels.sm100 import gemm as sm100_gemm  # noqa: E402
+
+SHIPPED = sm100_gemm.shipped("sm_100a")
+
+
+def _compile(spec, dump_dir):
+    """Compile like compile_spec(spec, dump_dir) does, keeping the kernel object to inspect its plan."""
+    jit_fn, fake_args = sm100_gemm.build(spec)
+    options = f"{COMPILE_OPTIONS} --gpu-arch={spec.arch} --keep-ptx --keep-cubin --dump-dir={dump_dir}"
+    cute.compile(jit_fn, *fake_args, options=options)
+    ptx_files, cubins = list(dump_dir.glob("*.ptx")), list(dump_dir.glob("*.cubin"))
+    assert len(ptx_files) == 1 and len(cubins) == 1 and cubins[0].stat().st_size > 0
+    return jit_fn.__self__, ptx_files[0].read_text()
+
+
+def _count(pattern, ptx):
+    return len(re.findall(pattern, ptx))
+
+
+def _check_variant(spec, tmp_path):
+    gemm, ptx = _compile(spec, tmp_path)
+    two_cta = spec["tile"][0] == 256
+    assert re.search(r"^\.target\s+sm_100a", ptx, re.M)
+    group = "cta_group::2" if two_cta else "cta_group::1"
+    # one k-tile = 4 tcgen05.mma (k=16 each) issued by one elected thread
+    assert _count(rf"tcgen05\.mma\.{group}\.kind::f16", ptx) == 4
+    assert _count(r"tcgen05\.mma\.", ptx) == 4
+    for instruction in (f"tcgen05.alloc.{group}", f"tcgen05.dealloc.{group}", f"tcgen05.commit.{group}",
+                        "tcgen05.relinquish_alloc_permit", "tcgen05.ld.sync.aligned", "tcgen05.wait::ld"):
+        assert instruction in ptx, instruction
+    # TMA loads into smem completing on an mbarrier, TMA stores of the epilogue sub-tiles
+    assert _count(r"cp\.async\.bulk\.tensor\.3d\.shared::(cta|cluster)\.global\.tile\.mbarrier::complete_tx", ptx) >= 2
+    assert _count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx) >= 1
+    assert "cp.async.bulk.wait_group.read" in ptx
+    if two_cta:  # the pair's leader commits stage releases to both CTAs
+        assert "multicast::cluster" in ptx
+    assert ".local" not in ptx, "local memory (spills or stack arrays)"
+    # bias: per-column loads only with bias; the activation's fast math only with it
+    assert ("ld.global" in ptx) == spec["bias"]
+    if spec["act"] == "gelu_tanh":
+        assert "tanh.approx" in ptx
+    if spec["act"] == "silu":
+        assert "ex2.approx" in ptx
+
+    # the plan: a real multi-stage ring, everything inside smem and TMEM
+    assert gemm.ab_stages >= 3, "no room for TMA/MMA pipelining"
+    assert gemm.epi_stages >= 2
+    assert gemm.tmem_cols == 2 * spec["tile"][1] <= 512  # two fp32 accumulator buffers
+    tile_m, tile_n = spec["tile"]
+    cta_m = tile_m // (2 if two_cta else 1)
+    elem = 2  # bf16/fp16 inputs
+    ab_stage = (cta_m * 64 + tile_n // (2 if two_cta else 1) * 64) * elem
+    out_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[spec["out"]]
+    epi_stage = cta_m * 32 * out_bytes
+    assert gemm.ab_stages * ab_stage + gemm.epi_stages * epi_stage <= sm100_gemm.SMEM_CAPACITY - 1024
+
+
+def test_shipped_variants_cover_the_brief():
+    assert sm100_gemm.shipped("sm_90a") == []
+    assert {s["tile"][0] for s in SHIPPED} == {128, 256}  # 1-CTA and 2-CTA
+    assert any(s["cluster"] == (4, 1) for s in SHIPPED)  # multicast beyond the pair
+    assert {s["bias"] for s in SHIPPED} == {False, True}
+    assert len({(s["a_major"], s["b_major"]) for s in SHIPPED}) >= 2
+    assert len({s.name for s in SHIPPED}) == len(SHIPPED)
+
+
+@pytest.mark.parametrize("spec", SHIPPED, ids=lambda s: s.name)
+def test_shipped_ptx(spec, tmp_path):
+    _check_variant(spec, tmp_path)
+
+
+# configs the heuristic picks that no shipped variant uses, and the remaining majorness combos
+SWEEP = [
+    sm100_gemm.make_spec("bf16", "bf16", True, "silu", "m", "k", GemmConfig(128, 128)),
+    sm100_gemm.make_spec("fp16", "fp16", False, None, "k", "n", GemmConfig(128, 64)),
+    sm100_gemm.make_spec("bf16", "fp32", True, "gelu_tanh", "m", "n", GemmConfig(256, 256, 2, 1)),
+    sm100_gemm.make_spec("bf16", "bf16", True, "relu", "k", "k", GemmConfig(256, 256, 4, 1)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", SWEEP, ids=lambda s: s.name)
+def test_sweep_ptx(spec, tmp_path):
+    _check_variant(spec, tmp_path)
