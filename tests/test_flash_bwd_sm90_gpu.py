@@ -1,0 +1,222 @@
+"""GPU tests of the sm_90a attention backward against a float32 autograd reference.
+
+Run as a script (``python tests/test_flash_bwd_sm90_gpu.py``) it times the kernel
+against PyTorch SDPA (cuDNN, flash) and FlashAttention-4's CuTe backward when present.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+        reason="needs a Hopper (sm_90) GPU",
+    ),
+]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def reference_attention(q, k, v, scale: float, causal: bool):
+    """fp32 attention on (B, S, H, D); GQA by index; causal aligned bottom-right.
+
+    Returns (out, lse); rows that attend to nothing get out = 0 and lse = -inf.
+    """
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    group = q.shape[2] // k.shape[2]
+    kv_head = torch.arange(q.shape[2], device=q.device) // group
+    k, v = k[:, :, kv_head], v[:, :, kv_head]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        rows = torch.arange(seqlen_q, device=q.device)[:, None]
+        cols = torch.arange(seqlen_k, device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows + (seqlen_k - seqlen_q), -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - finite_lse[..., None])
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
+
+
+def _rel_err(x, ref):
+    return ((x.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def _make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, layout="bshd"):
+    def rand(b, s, h):
+        if layout == "bhsd":  # storage (B, H, S, D), viewed as (B, S, H, D)
+            return torch.randn(b, h, s, head_dim, device="cuda", dtype=dtype).transpose(1, 2)
+        if layout == "padded":  # a slice of a wider last dim
+            return torch.randn(b, s, h, head_dim + 64, device="cuda", dtype=dtype)[..., :head_dim]
+        return torch.randn(b, s, h, head_dim, device="cuda", dtype=dtype)
+
+    q = rand(batch, seqlen_q, heads_q)
+    k = rand(batch, seqlen_k, heads_kv)
+    v = rand(batch, seqlen_k, heads_kv)
+    dout = torch.randn(batch, seqlen_q, heads_q, head_dim, device="cuda", dtype=dtype)
+    return q, k, v, dout
+
+
+def _reference_grads(q, k, v, dout, scale, causal):
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out32, lse = reference_attention(q32, k32, v32, scale, causal)
+    dq, dk, dv = torch.autograd.grad(out32, (q32, k32, v32), dout.float())
+    return out32.detach(), lse.detach(), (dq, dk, dv)
+
+
+def _run_ours(q, k, v, out, lse, dout, scale, causal):
+    from torch_cute_ops.kernels.sm90 import flash_bwd
+
+    assert flash_bwd.unsupported_reason(q, k, v, causal) is None
+    grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=t.dtype) for t in (q, k, v)]
+    flash_bwd.launch(dout, q, k, v, out, lse, *grads, scale, causal)
+    torch.cuda.synchronize()
+    return grads
+
+
+def _sdpa_grads(q, k, v, dout, scale, causal):
+    """PyTorch SDPA (cuDNN, else flash) gradients, or None where neither takes the case."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    if causal and q.shape[1] != k.shape[1]:
+        return None, None  # SDPA's causal mask is top-left aligned
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+        try:
+            with sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(
+                    qt, kt, vt, is_causal=causal, scale=scale,
+                    enable_gqa=q.shape[2] != k.shape[2])
+                grads = torch.autograd.grad(out, (qt, kt, vt), dout.transpose(1, 2))
+            return [g.transpose(1, 2) for g in grads], backend.name
+        except RuntimeError:
+            continue
+    return None, None
+
+
+CASES = [
+    # dtype, head_dim, causal, batch, seqlen_q, seqlen_k, heads_q, heads_kv, layout
+    ("bf16", 128, False, 2, 256, 256, 4, 4, "bshd"),
+    ("bf16", 128, True, 2, 256, 256, 4, 4, "bshd"),
+    ("bf16", 128, True, 1, 200, 333, 8, 2, "bshd"),  # seqlen_q < seqlen_k, GQA 4
+    ("bf16", 128, True, 1, 333, 200, 4, 1, "bshd"),  # rows that attend to nothing, MQA
+    ("bf16", 128, False, 2, 173, 301, 4, 2, "bhsd"),
+    ("bf16", 64, False, 2, 129, 257, 4, 1, "padded"),
+    ("bf16", 64, True, 1, 300, 300, 4, 4, "bshd"),
+    ("bf16", 96, True, 1, 190, 190, 2, 2, "bshd"),
+    ("bf16", 192, False, 1, 150, 270, 4, 2, "bshd"),
+    ("bf16", 256, True, 1, 211, 211, 2, 2, "bshd"),
+    ("fp16", 128, True, 2, 256, 256, 4, 2, "bshd"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_flash_bwd_matches_fp32_reference(case):
+    dtype_name, head_dim, causal, batch, seqlen_q, seqlen_k, heads_q, heads_kv, layout = case
+    dtype = _DTYPES[dtype_name]
+    torch.manual_seed(0)
+    q, k, v, dout = _make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, layout)
+    scale = head_dim ** -0.5
+    out32, lse, ref = _reference_grads(q, k, v, dout, scale, causal)
+    out = out32.to(dtype)
+    ours = _run_ours(q, k, v, out, lse, dout, scale, causal)
+    sdpa, backend = _sdpa_grads(q, k, v, dout, scale, causal)
+    for name, got, want, i in zip(("dq", "dk", "dv"), ours, ref, range(3)):
+        assert not torch.isnan(got).any(), f"{name}: NaN (unwritten or invalid)"
+        err = _rel_err(got, want)
+        max_abs = (got.float() - want).abs().max().item()
+        assert err < 2e-2, f"{name}: rel err {err:.3e}"
+        assert max_abs < 0.05 * want.abs().max().item() + 1e-2, f"{name}: max abs {max_abs:.3e}"
+        if sdpa is not None:
+            sdpa_err = _rel_err(sdpa[i], want)
+            assert err <= max(2 * sdpa_err, 2e-3), f"{name}: {err:.3e} vs {backend} {sdpa_err:.3e}"
+    if causal and seqlen_q > seqlen_k:  # the first rows attend to nothing: zero gradient
+        assert ours[0][:, : seqlen_q - seqlen_k].abs().max().item() == 0.0
+
+
+def _lse_by_chunks(q, k, scale, causal, chunk=1024):
+    """fp32 log-sum-exp (B, H, S_q) without an S_q x S_k buffer (equal heads only)."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    lse = torch.empty(q.shape[0], q.shape[2], seqlen_q, device=q.device, dtype=torch.float32)
+    cols = torch.arange(seqlen_k, device=q.device)[None, :]
+    for start in range(0, seqlen_q, chunk):
+        scores = torch.einsum("bqhd,bkhd->bhqk", q[:, start:start + chunk].float(), k.float()) * scale
+        if causal:
+            rows = torch.arange(start, start + scores.shape[2], device=q.device)[:, None]
+            scores = scores.masked_fill(cols > rows + (seqlen_k - seqlen_q), -math.inf)
+        lse[:, :, start:start + chunk] = torch.logsumexp(scores, dim=-1)
+    return lse
+
+
+def _bench():
+    import triton.testing
+
+    from torch_cute_ops.kernels.sm90 import flash_bwd
+
+    try:
+        from flash_attn.cute.interface import flash_attn_func as fa4
+    except Exception:  # noqa: BLE001 - the anchor is optional
+        fa4 = None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    shapes = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128), (2, 8192, 32, 64),
+              (2, 8192, 8, 256)]
+    rows = []
+    for batch, seqlen, heads, head_dim in shapes:
+        for causal in (False, True):
+            q, k, v, dout = _make_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16)
+            scale = head_dim ** -0.5
+            flops = 2.5 * 4 * batch * seqlen * seqlen * heads * head_dim / (2 if causal else 1)
+            tflops = lambda ms: flops / ms / 1e9
+            qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                out_t = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+            out = out_t.detach().transpose(1, 2)
+            lse = _lse_by_chunks(q, k, scale, causal)
+            grads = [torch.empty_like(t) for t in (q, k, v)]
+            timings = {}
+            timings["ours"] = triton.testing.do_bench(
+                lambda: flash_bwd.launch(dout, q, k, v, out, lse, *grads, scale, causal),
+                warmup=25, rep=100, return_mode="median")
+            douts = dout.transpose(1, 2)
+            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                                  ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+                try:
+                    with sdpa_kernel(backend):
+                        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+                    timings[name] = triton.testing.do_bench(
+                        lambda: torch.autograd.grad(o, (qt, kt, vt), douts, retain_graph=True),
+                        warmup=25, rep=100, return_mode="median")
+                except RuntimeError:
+                    pass
+            if fa4 is not None:
+                try:
+                    qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
+                    o = fa4(qf, kf, vf, softmax_scale=scale, causal=causal)
+                    o = o[0] if isinstance(o, tuple) else o
+                    timings["fa4"] = triton.testing.do_bench(
+                        lambda: torch.autograd.grad(o, (qf, kf, vf), dout, retain_graph=True),
+                        warmup=25, rep=100, return_mode="median")
+                except Exception as err:  # noqa: BLE001
+                    print("fa4 failed:", type(err).__name__, str(err)[:200])
+            rows.append(((batch, seqlen, heads, head_dim, causal),
+                         {n: tflops(ms) for n, ms in timings.items()}))
+            del q, k, v, dout, qt, kt, vt, out_t, out, grads
+            torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()} bf16 attention backward TFLOP/s (2.5x fwd flops)")
+    print("| B S H D causal | ours | cuDNN | SDPA flash | FA4 | ours/cuDNN |")
+    for (b, s, h, d, c), t in rows:
+        cell = lambda n: f"{t[n]:.0f}" if n in t else "-"
+        ratio = f"{t['ours'] / t['cudnn']:.2f}" if "cudnn" in t else "-"
+        print(f"| B{b} S{s} H{h} D{d} {'causal' if c else 'full'} | {cell('ours')} | "
+              f"{cell('cudnn')} | {cell('sdpa_flash')} | {cell('fa4')} | {ratio} |")
+
+
+if __name__ == "__main__":
+    _bench()

@@ -1,0 +1,48 @@
+"""Compile-only checks of the sm_90a attention backward (no GPU needed)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+cutlass = pytest.importorskip("cutlass")
+
+from torch_cute_ops.kernels import shipped_specs  # noqa: E402
+from torch_cute_ops.kernels.common.compile_cache import compile_spec  # noqa: E402
+from torch_cute_ops.kernels.sm90 import flash_bwd  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _arch(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+
+
+def _ptx(spec, tmp_path):
+    compile_spec(spec, dump_dir=tmp_path)
+    (path,) = [p for p in tmp_path.rglob("*.ptx")]
+    return path.read_text()
+
+
+@pytest.mark.parametrize("spec_args", [("bf16", 128, True), ("fp16", 96, False)],
+                         ids=["bf16-d128-causal", "fp16-d96"])
+def test_ptx_is_warp_specialized_wgmma_with_tma(spec_args, tmp_path):
+    dtype, head_dim, causal = spec_args
+    ptx = _ptx(flash_bwd._spec(dtype, head_dim, causal), tmp_path)
+    assert ".target sm_90a" in ptx
+    tile_m, tile_n, _ = flash_bwd.TILE_CONFIGS[head_dim]
+    # per query block: S and dP (head_dim / 16 k-steps), dV and dK (tile_m / 16), dQ (tile_n / 16)
+    expected_wgmma = 2 * head_dim // 16 + 2 * tile_m // 16 + tile_n // 16
+    assert ptx.count("wgmma.mma_async") == expected_wgmma
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads/stores
+    assert "cp.reduce.async.bulk.tensor" in ptx  # dQ reduce-add
+    assert ptx.count("setmaxnreg") == 2  # producer down, MMA warpgroups up
+    assert "stmatrix" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx  # no spills in the PTX
+
+
+def test_family_registered_and_shipped():
+    specs = shipped_specs("sm_90a", "flash_bwd_sm90")
+    assert specs and all(s.family == "flash_bwd_sm90" for s in specs)
+    assert not shipped_specs("sm_100a", "flash_bwd_sm90")
+    assert os.environ.get("CUTE_DSL_ARCH") == "sm_90a"

@@ -1,0 +1,626 @@
+"""FlashAttention-3 style attention backward for Hopper (sm_90a), in the CuTe DSL.
+
+One compiled function runs three kernels on the current stream:
+
+1. preprocess: ``delta = rowsum(dO * O)`` (fp32, (B, H, S_q)) and zero the fp32 dQ
+   accumulator (B, S_q, H, D);
+2. main kernel, one CTA per (key block, kv head, batch):
+   * warpgroup 0, warp 0 (24 registers after ``setmaxnreg``): TMA producer. It loads
+     the K and V tiles once (they stay resident in smem), then streams the Q and dO
+     tiles of every query head of the GQA group through two ``num_stages`` pipelines;
+   * warpgroups 1-2 (240 registers): recompute ``S = Q K^T`` and ``dP = dO V^T``
+     with WGMMA, ``P = exp2(S * scale * log2 e - lse * log2 e)``, ``dS = P (dP - delta)``,
+     then ``dV += P^T dO``, ``dK += dS^T Q`` (fp32 accumulators in registers for the
+     whole CTA) and ``dQ = dS K``. Each warpgroup writes its half of the dQ tile to
+     smem and adds it to the fp32 accumulator in global memory with one TMA
+     reduce-add (``cp.reduce.async.bulk.tensor``). Causal blocks above the diagonal
+     are never loaded nor computed;
+3. postprocess: convert the fp32 dQ accumulator to the input dtype.
+
+Determinism: dK and dV are deterministic (a CTA owns its key block and loops over the
+query heads of its kv head in a fixed order, so GQA needs no atomics). dQ is summed by
+TMA reduce-adds from the CTAs of different key blocks, whose order is not fixed: dQ is
+not bitwise reproducible run to run (fp32 sums, then rounded to bf16/fp16).
+Extra memory: delta (B*H*S_q fp32) and the dQ accumulator (B*S_q*H*D fp32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from .. import KernelFamily
+from ..common.compile_cache import KernelSpec, get_compiled
+from ..common.flash_common import LOG2_E, acc_as_rows_cols, convert_to_16bit, mask_scores
+
+FAMILY_NAME = "flash_bwd_sm90"
+HEAD_DIMS = (64, 96, 128, 192, 256)
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+# head_dim -> (tile_m, tile_n, num_stages). The two MMA warpgroups keep dK and dV for
+# the whole key block in registers (tile_n * head_dim * 2 / 256 fp32 per thread), and smem
+# holds K, V, num_stages x (Q, dO), P, dS and the fp32 dQ tile (<= 227 KB).
+TILE_CONFIGS = {
+    64: (64, 128, 2),
+    96: (64, 128, 2),
+    128: (64, 128, 2),
+    192: (64, 64, 2),
+    256: (64, 64, 1),
+}
+
+_NUM_MMA_THREADS = 256  # two consumer warpgroups
+_PRODUCER_REGS = 24
+_MMA_REGS = 240
+# named barriers (0 is __syncthreads)
+_BAR_MMA = 1  # both MMA warpgroups: P/dS ready, P/dS free, epilogue
+_BAR_DQ = 2  # + warpgroup index: the warpgroup's dQ smem tile
+
+
+def _transposed(t: cute.Tensor) -> cute.Tensor:
+    """A view of an smem tile with its first two modes swapped (trailing modes kept)."""
+    rows, cols = cute.size(t, mode=[0]), cute.size(t, mode=[1])
+    shape = (cols, rows, *[cute.size(t, mode=[i]) for i in range(2, cute.rank(t))])
+    stride = (rows, 1, *[rows * cols] * (cute.rank(t) - 2))
+    return cute.composition(t, cute.make_layout(shape, stride=stride))
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None,
+                 slice_cols: int | None = None):
+    """Row-major (cols contiguous) swizzled tile, readable by WGMMA as K- or MN-major.
+
+    The swizzle atom (64, 32, 16 or 8 16-bit columns) must divide slice_cols, the
+    column count one warpgroup reads when it takes this tile as an MN-major operand.
+    """
+    bits = math.gcd(cols, slice_cols or cols) * dtype.width
+    kinds = warpgroup.SmemLayoutAtomKind
+    kind = (kinds.K_SW128 if bits % 1024 == 0 else kinds.K_SW64 if bits % 512 == 0
+            else kinds.K_SW32 if bits % 256 == 0 else kinds.K_INTER)
+    atom = warpgroup.make_smem_layout_atom(kind, dtype)
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
+
+
+@cute.jit
+def _wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+           zero_init: cutlass.Constexpr[bool]):
+    """Issue one warpgroup GEMM (all its k-blocks) as one commit group; does not wait."""
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, not zero_init or k != 0)
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+    warpgroup.commit_group()
+
+
+@cute.jit
+def _to_dtype(acc: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
+    frag = cute.make_rmem_tensor_like(acc, dtype)
+    convert_to_16bit(acc, frag)
+    return frag
+
+
+class FlashBwdSm90:
+    """The three kernels and their host function for one (dtype, head_dim, causal)."""
+
+    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int,
+                 num_stages: int):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.dq_cols = head_dim // 2  # each MMA warpgroup owns half of the dQ columns
+        self.rows_per_cta = 128  # pre/postprocess: one thread per (b, s, h) row
+        # dK, dV tile (tile_n, head_dim) split over the two MMA warpgroups
+        self.dkv_atoms = (2, 1) if tile_n == 128 else (1, 2)
+
+    # ---------------------------------------------------------------- host side
+    def _make_mmas(self):
+        k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+
+        def tiled(a_major, b_major, tile_mn, atoms_mn):
+            return sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, a_major, b_major, Float32,
+                atom_layout_mnk=(*atoms_mn, 1),
+                tiler_mn=(tile_mn[0] // atoms_mn[0], tile_mn[1] // atoms_mn[1]),
+            )
+
+        # S = Q K^T and dP = dO V^T: (tile_m, tile_n), warpgroups split the keys
+        mma_sdp = tiled(k_major, k_major, (self.tile_m, self.tile_n), (1, 2))
+        # dV = P^T dO and dK = dS^T Q: (tile_n, head_dim), both operands read transposed
+        dkv_atoms = self.dkv_atoms
+        mma_dv = tiled(mn_major, mn_major, (self.tile_n, self.head_dim), dkv_atoms)
+        mma_dk = tiled(mn_major, mn_major, (self.tile_n, self.head_dim), dkv_atoms)
+        # dQ = dS K: (tile_m, head_dim), warpgroups split the head dim
+        mma_dq = tiled(k_major, mn_major, (self.tile_m, self.head_dim), (1, 2))
+        return mma_sdp, mma_dv, mma_dk, mma_dq
+
+    @cute.jit
+    def __call__(self, mdO: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                 mO: cute.Tensor, mLSE: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
+                 softmax_scale: Float32, stream):
+        num_rows = cute.size(mQ.shape[0]) * cute.size(mQ.shape[1]) * cute.size(mQ.shape[2])
+        row_grid = (cute.ceil_div(num_rows, self.rows_per_cta), 1, 1)
+        self._preprocess_kernel(mO, mdO, mDelta, mdQacc).launch(
+            grid=row_grid, block=[self.rows_per_cta, 1, 1], stream=stream)
+        self._launch_main(mdO, mQ, mK, mV, mLSE, mdK, mdV, mDelta, mdQacc, softmax_scale, stream)
+        self._postprocess_kernel(mdQacc, mdQ).launch(
+            grid=row_grid, block=[self.rows_per_cta, 1, 1], stream=stream)
+
+    @cute.jit
+    def _launch_main(self, mdO, mQ, mK, mV, mLSE, mdK, mdV, mDelta, mdQacc, softmax_scale, stream):
+        # (B, S, H, D) -> (S, D, H, B): TMA tiles over (S, D)
+        seq_major = [1, 3, 2, 0]
+        mQ, mK, mV, mdO, mdK, mdV, mdQacc = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=seq_major))
+            for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)
+        ]
+        mma_sdp, mma_dv, mma_dk, mma_dq = self._make_mmas()
+
+        # Q, dO: MN-major B of dK/dV; K: MN-major B of dQ; P, dS: MN-major A of dK/dV
+        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim, self.num_stages,
+                                 self.head_dim // self.dkv_atoms[1])
+        sdO_layout = sQ_layout
+        sKV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, None, self.dq_cols)
+        sPdS_layout = _smem_layout(self.dtype, self.tile_m, self.tile_n, None,
+                                   self.tile_n // self.dkv_atoms[0])
+        # fp32 dQ tile, one (tile_m, dq_cols) block per warpgroup
+        sdQ_layout = _smem_layout(Float32, self.tile_m, self.dq_cols, 2)
+
+        g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        q_tile = (self.tile_m, self.head_dim)
+        kv_tile = (self.tile_n, self.head_dim)
+        tma_Q, gmem_Q = cpasync.make_tiled_tma_atom(g2s, mQ, cute.select(sQ_layout, mode=[0, 1]), q_tile)
+        tma_dO, gmem_dO = cpasync.make_tiled_tma_atom(g2s, mdO, cute.select(sdO_layout, mode=[0, 1]), q_tile)
+        tma_K, gmem_K = cpasync.make_tiled_tma_atom(g2s, mK, sKV_layout, kv_tile)
+        tma_V, gmem_V = cpasync.make_tiled_tma_atom(g2s, mV, sKV_layout, kv_tile)
+        tma_dK, gmem_dK = cpasync.make_tiled_tma_atom(s2g, mdK, sKV_layout, kv_tile)
+        tma_dV, gmem_dV = cpasync.make_tiled_tma_atom(s2g, mdV, sKV_layout, kv_tile)
+        tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc,
+            cute.select(sdQ_layout, mode=[0, 1]), (self.tile_m, self.dq_cols))
+
+        dtype, stages = self.dtype, self.num_stages
+
+        @cute.struct
+        class SharedStorage:
+            kv_bar: cute.struct.MemRange[cutlass.Int64, 2]
+            q_bar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            do_bar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sPdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sPdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+
+        self.q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+        self.kv_bytes = cute.size_in_bytes(self.dtype, sKV_layout)
+
+        grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n),
+                cute.size(mK.shape[2]), cute.size(mK.shape[3]))
+        self._main_kernel(
+            tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_dQ,
+            gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, gmem_dQ,
+            mLSE, mDelta, mma_sdp, mma_dv, mma_dk, mma_dq,
+            sQ_layout, sKV_layout, sPdS_layout, sdQ_layout,
+            softmax_scale * LOG2_E, softmax_scale, SharedStorage,
+        ).launch(grid=grid, block=[128 + _NUM_MMA_THREADS, 1, 1],
+                 smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- pre/postprocess
+    @cute.jit
+    def _row_coords(self, mX: cute.Tensor):
+        """This thread's (b, s, h) row of a (B, S, H, D) tensor, h fastest; valid flag."""
+        row = cute.arch.block_idx()[0] * self.rows_per_cta + cute.arch.thread_idx()[0]
+        num_s, num_h = mX.shape[1], mX.shape[2]
+        h = row % num_h
+        s = (row // num_h) % num_s
+        b = row // (num_h * num_s)
+        return b, s, h, b < mX.shape[0]
+
+    @cute.kernel
+    def _preprocess_kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mDelta: cute.Tensor,
+                           mdQacc: cute.Tensor):
+        b, s, h, valid = self._row_coords(mO)
+        if valid:
+            o_row, do_row, acc_row = mO[b, s, h, None], mdO[b, s, h, None], mdQacc[b, s, h, None]
+            total = Float32(0.0)
+            for c in cutlass.range_constexpr(self.head_dim // 8):
+                o = cute.local_tile(o_row, (8,), (c,)).load().to(Float32)
+                do = cute.local_tile(do_row, (8,), (c,)).load().to(Float32)
+                total += (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            mDelta[b, h, s] = total
+            zeros = cute.make_rmem_tensor((4,), Float32)
+            zeros.fill(0.0)
+            for c in cutlass.range_constexpr(self.head_dim // 4):
+                cute.autovec_copy(zeros, cute.local_tile(acc_row, (4,), (c,)))
+
+    @cute.kernel
+    def _postprocess_kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor):
+        b, s, h, valid = self._row_coords(mdQ)
+        if valid:
+            acc_row, dq_row = mdQacc[b, s, h, None], mdQ[b, s, h, None]
+            for c in cutlass.range_constexpr(self.head_dim // 8):
+                chunk = cute.local_tile(acc_row, (8,), (c,)).load()
+                cute.local_tile(dq_row, (8,), (c,)).store(chunk.to(self.dtype))
+
+    # ---------------------------------------------------------------- main kernel
+    @cute.kernel
+    def _main_kernel(
+        self,
+        tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
+        tma_dK: cute.CopyAtom, tma_dV: cute.CopyAtom, tma_dQ: cute.CopyAtom,
+        mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+        mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor,
+        mLSE: cute.Tensor, mDelta: cute.Tensor,
+        mma_sdp: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+        sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+        scale_log2: Float32, softmax_scale: Float32,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        n_block, kv_head, batch = cute.arch.block_idx()
+        if warp_idx == 0:
+            for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_dQ):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        smem = {
+            name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
+            for name, layout in (("sQ", sQ_layout), ("sdO", sQ_layout), ("sK", sKV_layout),
+                                 ("sV", sKV_layout), ("sP", sPdS_layout), ("sdS", sPdS_layout),
+                                 ("sdQ", sdQ_layout))
+        }
+
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        # PipelineTmaAsync releases with one arrive per consumer warp
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, _NUM_MMA_THREADS // 32)
+        make = lambda bar, stages, tx: pipeline.PipelineTmaAsync.create(
+            barrier_storage=bar.data_ptr(), num_stages=stages, producer_group=producer,
+            consumer_group=consumers, tx_count=tx, defer_sync=True)
+        pipe_kv = make(storage.kv_bar, 1, 2 * self.kv_bytes)
+        pipe_q = make(storage.q_bar, self.num_stages, self.q_bytes)
+        pipe_do = make(storage.do_bar, self.num_stages, self.q_bytes)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        group = mQ.shape[2] // mK.shape[2]
+        m_block_min, m_block_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            if warp_idx == 0:
+                self._produce(tma_Q, tma_dO, tma_K, tma_V, mQ, mdO, mK, mV, smem,
+                              pipe_kv, pipe_q, pipe_do, n_block, kv_head, batch, group,
+                              m_block_min, m_block_max)
+        else:
+            cute.arch.setmaxregister_increase(_MMA_REGS)
+            self._consume(tma_dK, tma_dV, tma_dQ, mdK, mdV, mdQacc, mLSE, mDelta,
+                          mma_sdp, mma_dv, mma_dk, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
+                          scale_log2, softmax_scale, n_block, kv_head, batch, group,
+                          m_block_min, m_block_max, seqlen_q, seqlen_k)
+
+    @cute.jit
+    def _m_block_range(self, n_block: Int32, seqlen_q, seqlen_k):
+        """Query blocks that see key block n_block (causal: bottom-right aligned)."""
+        m_block_max = cute.ceil_div(seqlen_q, self.tile_m)
+        m_block_min = Int32(0)
+        if const_expr(self.causal):
+            # query i sees key j iff j <= i + (seqlen_k - seqlen_q)
+            first_row = n_block * self.tile_n - (seqlen_k - seqlen_q)
+            m_block_min = cutlass.max(first_row, 0) // self.tile_m
+        return m_block_min, m_block_max
+
+    @cute.jit
+    def _produce(self, tma_Q, tma_dO, tma_K, tma_V, mQ, mdO, mK, mV, smem,
+                 pipe_kv, pipe_q, pipe_do, n_block, kv_head, batch, group,
+                 m_block_min, m_block_max):
+        kv_tile = (self.tile_n, self.head_dim)
+        q_tile = (self.tile_m, self.head_dim)
+        state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_kv.producer_acquire(state_kv)
+        for atom, mX, sX in ((tma_K, mK, smem["sK"]), (tma_V, mV, smem["sV"])):
+            gX = cute.local_tile(mX[None, None, kv_head, batch], kv_tile, (n_block, 0))
+            tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                               cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+            cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipe_kv.producer_get_barrier(state_kv))
+
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for g in cutlass.range(group, unroll=1):
+            head = kv_head * group + g
+            gQ = cute.local_tile(mQ[None, None, head, batch], q_tile, (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], q_tile, (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
+                                               cute.group_modes(smem["sQ"], 0, 2), cute.group_modes(gQ, 0, 2))
+            tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, cute.make_layout(1),
+                                                   cute.group_modes(smem["sdO"], 0, 2), cute.group_modes(gdO, 0, 2))
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                pipe_q.producer_acquire(state_q)
+                cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state_q.index],
+                          tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+                state_q.advance()
+                pipe_do.producer_acquire(state_do)
+                cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state_do.index],
+                          tma_bar_ptr=pipe_do.producer_get_barrier(state_do))
+                state_do.advance()
+
+    @cute.jit
+    def _row_stats(self, mLSE_bh: cute.Tensor, mDelta_bh: cute.Tensor, tScS: cute.Tensor,
+                   m_block: Int32, seqlen_q):
+        """lse * log2(e) and delta of the accumulator rows this thread owns.
+
+        Rows past seqlen_q and rows with lse = -inf (they attend to nothing) get
+        lse = +inf, so that P = exp2(S - lse) = 0 there and their gradient is zero.
+        """
+        lse_log2, delta = [], []
+        for r in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
+            row = m_block * self.tile_m + tScS[r, 0][0]
+            in_range = row < seqlen_q
+            safe_row = cutlass.min(row, seqlen_q - 1)
+            lse = cutlass.select_(in_range, mLSE_bh[safe_row], -math.inf)
+            lse_log2.append(cutlass.select_(lse == -math.inf, math.inf, lse * LOG2_E))
+            delta.append(cutlass.select_(in_range, mDelta_bh[safe_row], Float32(0.0)))
+        return lse_log2, delta
+
+    @cute.jit
+    def _consume(self, tma_dK, tma_dV, tma_dQ, mdK, mdV, mdQacc, mLSE, mDelta,
+                 mma_sdp, mma_dv, mma_dk, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
+                 scale_log2, softmax_scale, n_block, kv_head, batch, group,
+                 m_block_min, m_block_max, seqlen_q, seqlen_k):
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        warp_in_wg = cute.arch.make_warp_uniform((tidx // 32) % 4)
+        sQ, sdO, sK, sV = smem["sQ"], smem["sdO"], smem["sK"], smem["sV"]
+        sP, sdS, sdQ = smem["sP"], smem["sdS"], smem["sdQ"]
+
+        # WGMMA operands: smem descriptors per warpgroup
+        wg_sdp = mma_sdp.get_slice(wg_idx * 128)
+        tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
+        tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
+        tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
+        tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
+        wg_dv = mma_dv.get_slice(wg_idx * 128)
+        tdVrPt = wg_dv.make_fragment_A(wg_dv.partition_A(_transposed(sP)))
+        tdVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(_transposed(sdO)))
+        wg_dk = mma_dk.get_slice(wg_idx * 128)
+        tdKrdSt = wg_dk.make_fragment_A(wg_dk.partition_A(_transposed(sdS)))
+        tdKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(_transposed(sQ)))
+        wg_dq = mma_dq.get_slice(wg_idx * 128)
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sK)))
+
+        # accumulators
+        sdp_shape = mma_sdp.partition_shape_C((self.tile_m, self.tile_n))
+        acc_S = cute.make_rmem_tensor(sdp_shape, Float32)
+        acc_dP = cute.make_rmem_tensor(sdp_shape, Float32)
+        dkv_shape = mma_dv.partition_shape_C((self.tile_n, self.head_dim))
+        acc_dV = cute.make_rmem_tensor(dkv_shape, Float32)
+        acc_dK = cute.make_rmem_tensor(dkv_shape, Float32)
+        acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        # (rows, cols) views of S / P and dP / dS, and of their coordinates in the tile
+        acc_S_rc, acc_dP_rc = acc_as_rows_cols(acc_S), acc_as_rows_cols(acc_dP)
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS = acc_as_rows_cols(mma_sdp.get_slice(tidx).partition_C(cS))
+        t0ScS = acc_as_rows_cols(mma_sdp.get_slice(0).partition_C(cS))
+        # P and dS registers -> smem with stmatrix
+        store_PdS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_sdp
+        ).get_slice(tidx)
+        tPsP = store_PdS.partition_D(sP)
+        tdSsdS = store_PdS.partition_D(sdS)
+        # dQ registers -> this warpgroup's fp32 smem tile (columns split across warpgroups)
+        tdQsdQ = mma_dq.get_slice(tidx).partition_C(cute.group_modes(sdQ, 1, 3))
+        sdQ_wg = cute.group_modes(sdQ[None, None, wg_idx], 0, 2)
+
+        state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(state_kv)
+        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        offset = seqlen_k - seqlen_q
+        last_key = n_block * self.tile_n + self.tile_n - 1
+        for g in cutlass.range(group, unroll=1):
+            head = kv_head * group + g
+            mLSE_bh, mDelta_bh = mLSE[batch, head, None], mDelta[batch, head, None]
+            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.dq_cols),
+                                  (None, wg_idx))
+            tdQsdQ_tma, tdQgdQ = cpasync.tma_partition(
+                tma_dQ, 0, cute.make_layout(1), sdQ_wg, cute.group_modes(gdQ, 0, 2))
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                q_idx, do_idx = state_q.index, state_do.index
+                # S = Q K^T and dP = dO V^T in flight together
+                pipe_q.consumer_wait(state_q)
+                _wgmma(mma_sdp, acc_S, tSrQ[None, None, None, q_idx], tSrK, True)
+                pipe_do.consumer_wait(state_do)
+                _wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, do_idx], tdPrV, True)
+                lse_log2, delta = self._row_stats(mLSE_bh, mDelta_bh, tScS, m_block, seqlen_q)
+                warpgroup.wait_group(1)
+
+                # P = exp2(S * scale * log2(e) - lse * log2(e))
+                needs_mask = last_key >= seqlen_k
+                if const_expr(self.causal):
+                    needs_mask = needs_mask | (last_key > m_block * self.tile_m + offset)
+                if needs_mask:
+                    mask_scores(acc_S, tScS, t0ScS, m_block * self.tile_m, n_block * self.tile_n,
+                                seqlen_q, seqlen_k, self.causal, True)
+                for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
+                    for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                        acc_S_rc[r, c] = cute.math.exp2(
+                            acc_S_rc[r, c] * scale_log2 - lse_log2[r], fastmath=True)
+                # both warpgroups are done with the previous block's P and dS
+                cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
+                rP = _to_dtype(acc_S, self.dtype)
+                cute.copy(store_PdS, store_PdS.retile(rP), tPsP)
+
+                # dS = P * (dP - delta)
+                warpgroup.wait_group(0)
+                for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
+                    for c in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[1])):
+                        acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - delta[r])
+                rdS = _to_dtype(acc_dP, self.dtype)
+                cute.copy(store_PdS, store_PdS.retile(rdS), tdSsdS)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
+
+                # dV += P^T dO, dQ = dS K, dK += dS^T Q
+                _wgmma(mma_dv, acc_dV, tdVrPt, tdVrdOt[None, None, None, do_idx], False)
+                _wgmma(mma_dq, acc_dQ, tdQrdS, tdQrKt, True)
+                _wgmma(mma_dk, acc_dK, tdKrdSt, tdKrQt[None, None, None, q_idx], False)
+                warpgroup.wait_group(1)
+                pipe_do.consumer_release(state_do)
+                state_do.advance()
+                self._reduce_dq(acc_dQ, tdQsdQ, tma_dQ, tdQsdQ_tma, tdQgdQ[None, m_block],
+                                softmax_scale, wg_idx, warp_in_wg)
+                warpgroup.wait_group(0)
+                pipe_q.consumer_release(state_q)
+                state_q.advance()
+
+        if warp_in_wg == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        self._store_dkv(acc_dK, acc_dV, softmax_scale, mma_dk, sK, sV, tma_dK, tma_dV,
+                        mdK, mdV, tidx, n_block, kv_head, batch)
+
+    @cute.jit
+    def _reduce_dq(self, acc_dQ, tdQsdQ, tma_dQ, tdQsdQ_tma, tdQgdQ, softmax_scale,
+                   wg_idx, warp_in_wg):
+        """Add this warpgroup's dQ tile (times the softmax scale) to the fp32 accumulator."""
+        bar = _BAR_DQ + wg_idx
+        if warp_in_wg == 0:  # the previous reduce-add has finished reading the tile
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=bar, number_of_threads=128)
+        tdQsdQ.store(acc_dQ.load() * softmax_scale)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=bar, number_of_threads=128)
+        if warp_in_wg == 0:
+            cute.copy(tma_dQ, tdQsdQ_tma, tdQgdQ)
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def _store_dkv(self, acc_dK, acc_dV, softmax_scale, mma_dkv, sK, sV, tma_dK, tma_dV,
+                   mdK, mdV, tidx, n_block, kv_head, batch):
+        """dK (times the softmax scale) and dV -> smem (reusing K and V) -> TMA store."""
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        rdK = _to_dtype(acc_dK, self.dtype)
+        rdV = _to_dtype(acc_dV, self.dtype)
+        store = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_dkv
+        ).get_slice(tidx)
+        # every MMA warpgroup is done reading K and V
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
+        cute.copy(store, store.retile(rdK), store.partition_D(sK))
+        cute.copy(store, store.retile(rdV), store.partition_D(sV))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
+        if tidx < 32:
+            kv_tile = (self.tile_n, self.head_dim)
+            for atom, mX, sX in ((tma_dK, mdK, sK), (tma_dV, mdV, sV)):
+                gX = cute.local_tile(mX[None, None, kv_head, batch], kv_tile, (n_block, 0))
+                tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                   cute.group_modes(sX, 0, 2),
+                                                   cute.group_modes(gX, 0, 2))
+                cute.copy(atom, tXsX, tXgX)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+# -------------------------------------------------------------------- family / host API
+def _spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a") -> KernelSpec:
+    tile_m, tile_n, num_stages = TILE_CONFIGS[head_dim]
+    return KernelSpec.make(FAMILY_NAME, arch, dtype=dtype, head_dim=head_dim, causal=causal,
+                           tile=(tile_m, tile_n), stages=num_stages)
+
+
+def _bshd(dtype, head_dim):
+    """A (B, S, H, D) tensor with any 16-byte aligned strides but a unit last one."""
+    sym = lambda: cute.sym_int64(divisibility=8)
+    return cute.runtime.make_fake_tensor(
+        dtype, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), head_dim),
+        stride=(sym(), sym(), sym(), 1), assumed_align=16)
+
+
+def build(spec: KernelSpec):
+    dtype, head_dim = _DTYPES[spec["dtype"]], spec["head_dim"]
+    tile_m, tile_n = spec["tile"]
+    kernel = FlashBwdSm90(dtype, head_dim, spec["causal"], tile_m, tile_n, spec["stages"])
+    bhs = lambda: cute.runtime.make_fake_tensor(
+        Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
+        stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+    delta = cute.runtime.make_fake_compact_tensor(
+        Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
+        stride_order=(2, 1, 0), assumed_align=16)
+    dq_accum = cute.runtime.make_fake_compact_tensor(
+        Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), head_dim),
+        stride_order=(3, 2, 1, 0), assumed_align=16)
+    bshd = lambda: _bshd(dtype, head_dim)
+    fake_args = (
+        bshd(), bshd(), bshd(), bshd(), bshd(),  # dout, q, k, v, out
+        bhs(),  # lse
+        bshd(), bshd(), bshd(),  # dq, dk, dv
+        delta, dq_accum, Float32(1.0),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return kernel, fake_args
+
+
+def shipped(arch: str):
+    if arch != "sm_90a":
+        return []
+    return [_spec(dtype, head_dim, causal)
+            for dtype in ("bf16", "fp16") for head_dim in (64, 128) for causal in (False, True)]
+
+
+FAMILY = KernelFamily(FAMILY_NAME, "sm_90a", shipped, build)
+
+_TORCH_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
+_compiled: dict[tuple, object] = {}
+
+
+def unsupported_reason(q, k, v, causal: bool) -> str | None:
+    import torch
+
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "flash_bwd_sm90 needs a Hopper (sm_90) GPU"
+    if str(q.dtype) not in _TORCH_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"flash_bwd_sm90 supports bf16/fp16 q, k, v, got {q.dtype}/{k.dtype}/{v.dtype}"
+    head_dim = q.shape[-1]
+    if head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
+        return f"flash_bwd_sm90 supports equal q/k/v head dims in {HEAD_DIMS}, got " \
+               f"{q.shape[-1]}/{k.shape[-1]}/{v.shape[-1]}"
+    if min(q.shape[0], q.shape[1], k.shape[1]) == 0:
+        return "flash_bwd_sm90 needs non-empty batch and sequences"
+    if q.shape[2] % k.shape[2] != 0:
+        return "flash_bwd_sm90 needs H_q to be a multiple of H_kv"
+    for t in (q, k, v):
+        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            return "flash_bwd_sm90 (TMA) needs unit last stride, other strides multiple of 8 " \
+                   "elements and 16-byte aligned data"
+    return None
+
+
+def launch(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool) -> None:
+    """Write dq, dk, dv (preallocated) for the attention that produced out and lse."""
+    import torch
+
+    key = (q.dtype, q.shape[-1], bool(causal))
+    fn = _compiled.get(key)
+    if fn is None:
+        fn = _compiled[key] = get_compiled(_spec(_TORCH_DTYPES[str(q.dtype)], q.shape[-1], causal))
+    batch, seqlen_q, heads, head_dim = q.shape
+    delta = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    dq_accum = torch.empty((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
+    fn(dout, q, k, v, out, lse, dq, dk, dv, delta, dq_accum, float(softmax_scale))
