@@ -3,6 +3,8 @@ shipped variant compiles for sm_100a to PTX and a cubin with the tcgen05 / TMA
 instruction mix, no local memory, and a shared-memory and TMEM plan that fits."""
 
 import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -27,6 +29,15 @@ def _compile(spec, dump_dir):
     return jit_fn.__self__, ptx_files[0].read_text()
 
 
+def _ptxas_spills(ptx_path):
+    """Bytes of spill stores ptxas reports for the PTX (None without a ptxas on PATH)."""
+    if shutil.which("ptxas") is None:
+        return None
+    info = subprocess.run(["ptxas", "-arch=sm_100a", "-v", str(ptx_path), "-o", "/dev/null"],
+                          capture_output=True, text=True, check=True).stderr
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", info))
+
+
 def _count(pattern, ptx):
     return len(re.findall(pattern, ptx))
 
@@ -48,7 +59,8 @@ def _check_variant(spec, tmp_path):
     assert "cp.async.bulk.wait_group.read" in ptx
     if two_cta:  # the pair's leader commits stage releases to both CTAs
         assert "multicast::cluster" in ptx
-    assert ".local" not in ptx, "local memory (spills or stack arrays)"
+    assert ".local" not in ptx, "local memory (stack arrays)"
+    assert _ptxas_spills(next(tmp_path.glob("*.ptx"))) in (None, 0), "register spills"
     # bias: per-column loads only with bias; the activation's fast math only with it
     assert ("ld.global" in ptx) == spec["bias"]
     if spec["act"] == "gelu_tanh":

@@ -224,6 +224,7 @@ class GemmSm100:
             grid=grid,
             block=[THREADS_PER_CTA, 1, 1],
             cluster=self.cluster_shape_mnk,
+            min_blocks_per_mp=1,  # one persistent CTA per SM: no register cap for occupancy
             stream=stream,
         )
 
