@@ -54,8 +54,8 @@ THREADS_PER_CTA = 32 * 6
 _EPILOGUE_BARRIER_ID = 1
 _TMEM_PTR_BARRIER_ID = 2
 
-SMEM_CAPACITY = 232448  # bytes per SM on sm_100
-_SMEM_RESERVED = 1024  # mbarriers and the TMEM address slot
+SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_100")
+SMEM_RESERVED = 2048  # mbarriers, the TMEM address slot and alignment padding
 TMEM_COLUMNS = 512
 ACC_STAGES = 2  # accumulator buffers in TMEM: MMA of the next tile overlaps this tile's epilogue
 MMA_K_BLOCKS = 4  # tcgen05.mma instructions (k=16 for 16-bit inputs) per k-tile: 64-wide k-tiles
@@ -127,12 +127,12 @@ class GemmSm100:
         epi_stage_bytes = cute.size_in_bytes(self.out_dtype, epi_one)
         self.epi_stages = 2
         self.ab_stages = (
-            SMEM_CAPACITY - _SMEM_RESERVED - self.epi_stages * epi_stage_bytes
+            SMEM_CAPACITY - SMEM_RESERVED - self.epi_stages * epi_stage_bytes
         ) // ab_stage_bytes
         # leftover smem deepens the store ring: more stores in flight before a wait
         self.epi_stages += (
             SMEM_CAPACITY
-            - _SMEM_RESERVED
+            - SMEM_RESERVED
             - self.ab_stages * ab_stage_bytes
             - self.epi_stages * epi_stage_bytes
         ) // epi_stage_bytes
@@ -306,16 +306,17 @@ class GemmSm100:
         # barrier inits must be visible cluster-wide before any peer arrives on them
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
+        # 128B-swizzled operand stages start on a swizzle-pattern (1024 B) boundary
         sA = smem.allocate_tensor(
             element_type=self.ab_dtype,
             layout=a_smem_staged.outer,
-            byte_alignment=128,
+            byte_alignment=1024,
             swizzle=a_smem_staged.inner,
         )
         sB = smem.allocate_tensor(
             element_type=self.ab_dtype,
             layout=b_smem_staged.outer,
-            byte_alignment=128,
+            byte_alignment=1024,
             swizzle=b_smem_staged.inner,
         )
         sOut = smem.allocate_tensor(
