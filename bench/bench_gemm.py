@@ -51,6 +51,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--quick", action="store_true", help="anchor shapes only")
+    parser.add_argument("--configs", default="", help="extra configs to time per shape, e.g. "
+                        "'128x256c2x1,pp128x128c2x1' (pp = ping-pong)")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -66,9 +68,11 @@ def main():
     quack = quack_gemm()
     results = {"device": dev, "torch": torch.__version__, "gemm": [], "fused": []}
 
-    def ours(a, b, bias=None, activation=None):
+    def ours(a, b, bias=None, activation=None, config=None):
         out = torch.empty(a.shape[0], b.shape[1], device="cuda", dtype=dtype)
-        return lambda: sm90_gemm.launch(a.unsqueeze(0), b.unsqueeze(0), bias, activation, out.unsqueeze(0))
+        return lambda: sm90_gemm.launch(a.unsqueeze(0), b.unsqueeze(0), bias, activation, out.unsqueeze(0), config)
+
+    extra = {name: parse_config(name) for name in args.configs.split(",") if name}
 
     # first-call compile time of one fresh variant (no disk cache)
     a = torch.randn(256, 256, device="cuda", dtype=dtype)
@@ -88,10 +92,12 @@ def main():
         row["ours"] = tflops(m, n, k, bench(ours(a, b)))
         row["cublas"] = tflops(m, n, k, bench(lambda: torch.matmul(a, b)))
         row["quack"] = tflops(m, n, k, bench(lambda: quack(a, b))) if quack else None
+        row["configs"] = {name: tflops(m, n, k, bench(ours(a, b, config=c))) for name, c in extra.items()}
         results["gemm"].append(row)
         quack_cols = f"{row['quack']:6.0f} {row['ours'] / row['quack']:6.2f}" if quack else f"{'-':>6} {'-':>6}"
         print(f"{m:>6} x {n:>5} x {k:>5} {row['config_short']:>16} {row['ours']:6.0f} {row['cublas']:6.0f} "
-              f"{quack_cols.split()[0]:>6} {row['ours'] / row['cublas']:7.3f} {quack_cols.split()[1]:>6}")
+              f"{quack_cols.split()[0]:>6} {row['ours'] / row['cublas']:7.3f} {quack_cols.split()[1]:>6}  "
+              + " ".join(f"{name} {t:.0f}" for name, t in row["configs"].items()))
 
     print(f"\n{'fused bias+gelu_tanh':>22} {'ours':>6} {'addmm+gelu':>10} {'ratio':>6}")
     for m, n, k in FUSED_SHAPES:
@@ -100,8 +106,10 @@ def main():
         bias = torch.randn(n, device="cuda", dtype=dtype)
         ours_t = tflops(m, n, k, bench(ours(a, b, bias, "gelu_tanh")))
         eager_t = tflops(m, n, k, bench(lambda: F.gelu(torch.addmm(bias, a, b), approximate="tanh")))
-        results["fused"].append({"shape": [m, n, k], "ours": ours_t, "addmm_gelu": eager_t})
-        print(f"{m:>6} x {n:>5} x {k:>5} {ours_t:6.0f} {eager_t:10.0f} {ours_t / eager_t:6.2f}")
+        configs = {name: tflops(m, n, k, bench(ours(a, b, bias, "gelu_tanh", c))) for name, c in extra.items()}
+        results["fused"].append({"shape": [m, n, k], "ours": ours_t, "addmm_gelu": eager_t, "configs": configs})
+        print(f"{m:>6} x {n:>5} x {k:>5} {ours_t:6.0f} {eager_t:10.0f} {ours_t / eager_t:6.2f}  "
+              + " ".join(f"{name} {t:.0f}" for name, t in configs.items()))
 
     results["host_overhead_us"] = host_overhead()
     ratios = [r["ours"] / r["cublas"] for r in results["gemm"]]
@@ -112,6 +120,15 @@ def main():
           + ", ".join(f"{k} {v:.1f}" for k, v in results["host_overhead_us"].items()))
     (out_dir / "gemm.json").write_text(json.dumps(results, indent=1))
     plot(results, out_dir)
+
+
+def parse_config(name):
+    """'pp128x192c2x1' -> GemmConfig(128, 192, 2, 1, pingpong=True)."""
+    from torch_cute_ops.kernels.common.gemm_config import GemmConfig
+
+    pingpong = name.startswith("pp")
+    tile, cluster = name.removeprefix("pp").split("c")
+    return GemmConfig(*map(int, tile.split("x")), *map(int, cluster.split("x")), pingpong=pingpong)
 
 
 def host_overhead(calls=2000):

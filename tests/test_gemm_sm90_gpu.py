@@ -106,12 +106,19 @@ def test_fp32_out(dtype):
     run_case(300, 264, 520, batch=2, dtype=dtype, out_dtype=torch.float32, bias=True, activation="silu")
 
 
-@pytest.mark.parametrize("tile", [(128, 256, 2, 1), (128, 128, 1, 1), (128, 128, 1, 2), (64, 128, 1, 1), (64, 64, 1, 1)])
-def test_configs(tile):
+CONFIGS = [(128, 256, 2, 1, False), (128, 128, 1, 1, False), (128, 128, 1, 2, False), (64, 128, 1, 1, False),
+           (64, 64, 1, 1, False), (128, 128, 2, 1, True), (128, 192, 1, 1, True), (64, 256, 1, 2, True)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "{}x{}_c{}x{}_pp{:d}".format(*c))
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_configs(config, out_dtype):
     from torch_cute_ops.kernels.common.gemm_config import GemmConfig
 
-    config = GemmConfig(*tile, group_size=3)
-    run_case(1000, 1000, 1000, batch=2, bias=True, activation="gelu_tanh", config=config)
+    tile_m, tile_n, cluster_m, cluster_n, pingpong = config
+    config = GemmConfig(tile_m, tile_n, cluster_m, cluster_n, group_size=3, pingpong=pingpong)
+    # odd tile counts: the last cluster and the last ping-pong turn are partial
+    run_case(1000, 1000, 1000, batch=3, bias=True, activation="gelu_tanh", out_dtype=out_dtype, config=config)
 
 
 def test_op_layer():

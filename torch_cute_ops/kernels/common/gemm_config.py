@@ -38,6 +38,8 @@ class GemmConfig:
     cluster_n: int = 1
     group_size: int = 8
     band_along_m: bool = True
+    # Hopper: two consumer warpgroups each on its own tile, taking turns (see kernels/sm90)
+    pingpong: bool = False
 
     @property
     def tile_mn(self) -> tuple[int, int]:
@@ -54,13 +56,15 @@ class GemmConfig:
             "cluster": self.cluster_mn,
             "group": self.group_size,
             "band_m": self.band_along_m,
+            "pingpong": self.pingpong,
         }
 
     @staticmethod
     def from_spec_params(params) -> "GemmConfig":
         """Inverse of :meth:`spec_params`, from a KernelSpec (or any mapping with those keys)."""
         tile, cluster = params["tile"], params["cluster"]
-        return GemmConfig(tile[0], tile[1], cluster[0], cluster[1], params["group"], params["band_m"])
+        return GemmConfig(tile[0], tile[1], cluster[0], cluster[1], params["group"], params["band_m"],
+                          params["pingpong"])
 
 
 Heuristic = Callable[[int, int, int, int, int], GemmConfig]

@@ -58,7 +58,16 @@ _MAX_AB_STAGES = 8
 
 
 class Sm90Gemm:
-    """One compiled variant: dtypes, majorness, epilogue and tile config are static."""
+    """One compiled variant: dtypes, majorness, epilogue and tile config are static.
+
+    Two consumer schedules (``config.pingpong``):
+
+    * cooperative: the ``tile_m // 64`` consumer warpgroups split one tile by rows and
+      run main loop and epilogue together;
+    * ping-pong: two consumer warpgroups each own a whole tile and take turns: the
+      producer fills the smem ring with one warpgroup's k-tiles after the other's, so
+      one warpgroup's epilogue overlaps the other's main loop.
+    """
 
     def __init__(self, ab_dtype, out_dtype, a_k_major: bool, b_k_major: bool, has_bias: bool,
                  activation, config: GemmConfig):
@@ -73,25 +82,35 @@ class Sm90Gemm:
         self.config = config
         self.tile_shape_mnk = (config.tile_m, config.tile_n, TILE_K)
         self.cluster_shape_mn = config.cluster_mn
-        # each consumer warpgroup owns 64 rows of the tile
-        self.num_mma_wg = config.tile_m // 64
-        self.num_mma_threads = 128 * self.num_mma_wg
-        self.threads_per_cta = 128 * (1 + self.num_mma_wg)
+        self.pingpong = config.pingpong
+        # warpgroups that share one tile (each owns 64 rows) and tile groups in flight
+        self.tile_wgs = 1 if self.pingpong else config.tile_m // 64
+        self.num_tile_groups = 2 if self.pingpong else 1
+        self.tile_threads = 128 * self.tile_wgs
+        self.num_mma_threads = self.tile_threads * self.num_tile_groups
+        self.threads_per_cta = 128 + self.num_mma_threads
         self.producer_regs, self.mma_regs = 40, 232
         # B is shared by the CTAs of a cluster column, A by those of a cluster row
         self.b_mcast = config.cluster_m > 1
         self.a_mcast = config.cluster_n > 1
-        self.epi_tile = (config.tile_m, 32)
-        self.epi_stages = 4 if out_dtype.width == 16 else 2
+        # fp32 results go straight from registers to global memory; 16-bit ones through
+        # a ring of swizzled smem subtiles (stmatrix) and TMA stores
+        self.direct_store = out_dtype.width == 32
+        self.epi_tile = (64 * self.tile_wgs, 32)
+        self.epi_stages = 4
         self.ab_stages = self._ab_stages()
-        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
 
     def _ab_stages(self) -> int:
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         stage_bytes = (tile_m + tile_n) * tile_k * self.ab_dtype.width // 8
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8 * self.epi_stages
-        free = utils.get_smem_capacity_in_bytes("sm_90") - _SMEM_RESERVED_BYTES - epi_bytes
+        free = utils.get_smem_capacity_in_bytes("sm_90") - _SMEM_RESERVED_BYTES - self._epi_smem_bytes()
         return min(free // stage_bytes, _MAX_AB_STAGES)
+
+    def _epi_smem_bytes(self) -> int:
+        if self.direct_store:
+            return 0
+        subtile_bytes = self.epi_tile[0] * self.epi_tile[1] * self.out_dtype.width // 8
+        return subtile_bytes * self.epi_stages * self.num_tile_groups
 
     # ---- host side -------------------------------------------------------------------
     @cute.jit
@@ -107,14 +126,15 @@ class Sm90Gemm:
     def _launch(self, mA, mB, mBias, mC, max_clusters, stream):
         a_layout = utils.LayoutEnum.ROW_MAJOR if self.a_k_major else utils.LayoutEnum.COL_MAJOR
         b_layout = utils.LayoutEnum.ROW_MAJOR if self.b_k_major else utils.LayoutEnum.COL_MAJOR
-        c_layout = utils.LayoutEnum.ROW_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-            Float32, (self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_shape_mnk[1]),
+            Float32, (self.tile_wgs, 1, 1), tiler_mn=(64, self.tile_shape_mnk[1]),
         )
         sA_layout = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stages)
         sB_layout = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stages)
-        sC_layout = sm90_utils.make_smem_layout_epi(self.out_dtype, c_layout, self.epi_tile, self.epi_stages)
+        # each tile group has its own ring of epi_stages subtiles
+        sC_layout = sm90_utils.make_smem_layout_epi(
+            self.out_dtype, utils.LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages * self.num_tile_groups)
 
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         cluster_m, cluster_n = self.cluster_shape_mn
@@ -126,23 +146,27 @@ class Sm90Gemm:
             cpasync.CopyBulkTensorTileG2SMulticastOp() if self.b_mcast else cpasync.CopyBulkTensorTileG2SOp(),
             mB, cute.slice_(sB_layout, (None, None, 0)), (tile_n, tile_k), num_multicast=cluster_m,
         )
-        tma_atom_c, tma_tensor_c = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), self.epi_tile,
-        )
+        if cutlass.const_expr(self.direct_store):
+            tma_atom_c, tensor_c = None, mC
+        else:
+            tma_atom_c, tensor_c = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), self.epi_tile,
+            )
 
         sched = self._scheduler(mC)
         grid = sched.grid_shape(max_clusters)
+        sC_elems = 1 if self.direct_store else cute.cosize(sC_layout)
 
         @cute.struct
         class SharedStorage:
             ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sB_layout)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(sC_layout)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, sC_elems], 1024]
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c, mBias,
+            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tensor_c, mBias,
             tiled_mma, sA_layout, sB_layout, sC_layout,
         ).launch(
             grid=grid,
@@ -161,7 +185,7 @@ class Sm90Gemm:
     # ---- device side -----------------------------------------------------------------
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
-               mB_nkl: cute.Tensor, tma_atom_c: cute.CopyAtom, mC_mnl: cute.Tensor, mBias: cute.Tensor,
+               mB_nkl: cute.Tensor, tma_atom_c, mC_mnl: cute.Tensor, mBias: cute.Tensor,
                tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
                sC_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -170,7 +194,8 @@ class Sm90Gemm:
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
-            cpasync.prefetch_descriptor(tma_atom_c)
+            if cutlass.const_expr(not self.direct_store):
+                cpasync.prefetch_descriptor(tma_atom_c)
 
         cluster_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -186,7 +211,8 @@ class Sm90Gemm:
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            # a stage is read (and released) by the warpgroups of one tile group
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile_threads),
             tx_count=cute.size_in_bytes(self.ab_dtype, cute.slice_(sA_layout, (None, None, 0)))
             + cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0))),
             cta_layout_vmnk=cute.make_layout((1, *cluster_layout_mnk.shape)),
@@ -252,109 +278,144 @@ class Sm90Gemm:
     @cute.jit
     def _consume(self, ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, sA, sB, sC,
                  num_k_tiles, mma_tidx):
-        """WGMMA main loop, then the fused epilogue, for every tile this CTA owns."""
+        """WGMMA main loop, then the fused epilogue, for every tile of this tile group."""
+        group = mma_tidx // self.tile_threads
+        group_tidx = mma_tidx % self.tile_threads
         # WGMMA is issued per warpgroup: slice the MMA by warpgroup, the epilogue by thread
-        wg_slice = tiled_mma.get_slice((mma_tidx // 128) * 128)
-        tCsA = wg_slice.partition_A(sA)
-        tCsB = wg_slice.partition_B(sB)
-        tCrA = tiled_mma.make_fragment_A(tCsA)
-        tCrB = tiled_mma.make_fragment_B(tCsB)
+        wg_slice = tiled_mma.get_slice((group_tidx // 128) * 128)
+        tCrA = tiled_mma.make_fragment_A(wg_slice.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(wg_slice.partition_B(sB))
         tile_m, tile_n, _ = self.tile_shape_mnk
-        # (m, n) of each accumulator value inside the tile, for the bias columns
-        tCcC = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
+        # (m, n) of each accumulator value inside the tile
+        tCcC = tiled_mma.get_slice(group_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
         acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+        if cutlass.const_expr(not self.direct_store):
+            # 16-bit out: registers -> stmatrix -> this group's smem ring -> TMA store
+            r2s_copy = cute.make_tiled_copy_S(
+                sm90_utils.get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, self.out_dtype, Float32),
+                cute.make_tiled_copy_C_atom(
+                    cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.out_dtype), tiled_mma),
+            )
+            thr_r2s = r2s_copy.get_slice(group_tidx)
+            tRS_sC = thr_r2s.partition_D(sC)
+            tRS_rAcc = r2s_copy.retile(acc)
+            subtile_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+            tRS_rAcc_sub = cute.make_rmem_tensor(subtile_shape, Float32)
+            tRS_rC = cute.make_rmem_tensor(subtile_shape, self.out_dtype)
+            gC = cute.local_tile(mC_mnl, (tile_m, tile_n), (None, None, None))
+            store_pipeline = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile_threads),
+            )
+            epi_barrier = pipeline.NamedBarrier(barrier_id=1 + group, num_threads=self.tile_threads)
+            is_store_warp = group_tidx // 32 == 0
 
-        # epilogue: registers -> swizzled smem subtile (stmatrix for 16-bit) -> TMA store
-        if cutlass.const_expr(self.out_dtype.width == 16):
-            c_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.out_dtype)
-        else:
-            c_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype)
-        r2s_copy = cute.make_tiled_copy_S(
-            sm90_utils.get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, self.out_dtype, Float32),
-            cute.make_tiled_copy_C_atom(c_atom, tiled_mma),
-        )
-        thr_r2s = r2s_copy.get_slice(mma_tidx)
-        tRS_sC = thr_r2s.partition_D(sC)
-        tRS_rAcc = r2s_copy.retile(acc)
-        subtile_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
-        tRS_rAcc_sub = cute.make_rmem_tensor(subtile_shape, Float32)
-        tRS_rC = cute.make_rmem_tensor(subtile_shape, self.out_dtype)
-        subtile_size = cute.size(tRS_rC)
-        store_pipeline = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
-        )
-        gC = cute.local_tile(mC_mnl, (tile_m, tile_n), (None, None, None))
-        is_store_warp = mma_tidx // 32 == 0
-
+        # the producer fills the ring tile by tile in schedule order and tile groups take
+        # turns: each group skips the k-tiles of the other groups' tiles
+        skip = num_k_tiles * (self.num_tile_groups - 1)
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        num_k_blocks = cute.size(tCrA, mode=[2])
+        read_state = _advance_state(read_state, num_k_tiles * group)
+        release_state = read_state.clone()
         subtiles_done = Int32(0)
-        work_idx, num_work_units = sched.first_work_idx(), sched.num_work_units
+        work_stride = sched.work_stride() * self.num_tile_groups
+        work_idx = sched.first_work_idx() + sched.work_stride() * group
+        num_work_units = sched.num_work_units
         while work_idx < num_work_units:
             tile_m_idx, tile_n_idx, batch_idx = sched.tile_coord(work_idx)
 
-            # ---- main loop: one wgmma batch in flight; release a stage once its batch retired
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-            warpgroup.fence()
-            for k_tile in cutlass.range(num_k_tiles, unroll=1):
+            # ---- main loop: one wgmma batch in flight; a stage is released once the
+            # batch that read it retired. k-tile 0 is peeled: it zero-initializes acc.
+            ab_pipeline.consumer_wait(read_state)
+            self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, zero_init=True)
+            read_state.advance()
+            for k_tile in cutlass.range(1, num_k_tiles, unroll=1):
                 ab_pipeline.consumer_wait(read_state)
-                for k_block in cutlass.range_constexpr(num_k_blocks):
-                    coord = (None, None, k_block, read_state.index)
-                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
+                self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, zero_init=False)
                 warpgroup.wait_group(1)
-                if k_tile > 0:
-                    ab_pipeline.consumer_release(release_state)
-                    release_state.advance()
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
                 read_state.advance()
             warpgroup.wait_group(0)
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
+            if cutlass.const_expr(self.num_tile_groups > 1):
+                read_state = _advance_state(read_state, skip)
+                release_state = _advance_state(release_state, skip)
 
-            # ---- epilogue: bias and activation in fp32 registers, then subtiles out by TMA
+            # ---- epilogue: bias and activation in fp32 registers, then out
             if cutlass.const_expr(self.has_bias):
                 self._add_bias(acc, tCcC, mBias, tile_n_idx * tile_n, mC_mnl.shape[1])
             apply_activation(acc, self.activation)
+            if cutlass.const_expr(self.direct_store):
+                self._store_direct(acc, tCcC, mC_mnl, tile_m_idx, tile_n_idx, batch_idx)
+            else:
+                gC_subtiles = cute.zipped_divide(gC[(None, None, tile_m_idx, tile_n_idx, batch_idx)], self.epi_tile)
+                tCsC_store, tCgC_store = cpasync.tma_partition(
+                    tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_subtiles,
+                )
+                subtile_grid = gC_subtiles.shape[1]
+                subtile_order = cute.make_layout(subtile_grid, stride=(subtile_grid[1], 1))
+                subtile_size = cute.size(tRS_rC)
+                for subtile in cutlass.range_constexpr(cute.size(subtile_grid)):
+                    for v in cutlass.range_constexpr(subtile_size):
+                        tRS_rAcc_sub[v] = tRS_rAcc[subtile * subtile_size + v]
+                    tRS_rC.store(tRS_rAcc_sub.load().to(self.out_dtype))
+                    buffer = group * self.epi_stages + (subtiles_done + subtile) % self.epi_stages
+                    cute.copy(r2s_copy, tRS_rC, tRS_sC[(None, None, None, buffer)])
+                    # make the generic-proxy smem writes visible to the TMA unit
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    epi_barrier.arrive_and_wait()
+                    if is_store_warp:
+                        cute.copy(tma_atom_c, tCsC_store[(None, buffer)],
+                                  tCgC_store[(None, subtile_order.get_hier_coord(subtile))])
+                        store_pipeline.producer_commit()
+                        store_pipeline.producer_acquire()
+                    # the next write into the ring waits until its buffer's store has read it
+                    epi_barrier.arrive_and_wait()
+                subtiles_done += cute.size(subtile_grid)
+            work_idx += work_stride
+        if cutlass.const_expr(not self.direct_store):
+            if is_store_warp:
+                store_pipeline.producer_tail()
 
-            gC_tile = gC[(None, None, tile_m_idx, tile_n_idx, batch_idx)]
-            gC_subtiles = cute.zipped_divide(gC_tile, self.epi_tile)
-            tCsC_store, tCgC_store = cpasync.tma_partition(
-                tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_subtiles,
-            )
-            num_subtiles = cute.size(gC_subtiles, mode=[1])
-            subtile_grid = gC_subtiles.shape[1]
-            subtile_order = cute.make_layout(subtile_grid, stride=(subtile_grid[1], 1))
-            for subtile in cutlass.range_constexpr(num_subtiles):
-                for v in cutlass.range_constexpr(subtile_size):
-                    tRS_rAcc_sub[v] = tRS_rAcc[subtile * subtile_size + v]
-                tRS_rC.store(tRS_rAcc_sub.load().to(self.out_dtype))
-                buffer = (subtiles_done + subtile) % self.epi_stages
-                cute.copy(r2s_copy, tRS_rC, tRS_sC[(None, None, None, buffer)])
-                # make the generic-proxy smem writes visible to the TMA unit
-                cute.arch.fence_proxy("async.shared", space="cta")
-                self.epi_barrier.arrive_and_wait()
-                if is_store_warp:
-                    cute.copy(tma_atom_c, tCsC_store[(None, buffer)],
-                              tCgC_store[(None, subtile_order.get_hier_coord(subtile))])
-                    store_pipeline.producer_commit()
-                    store_pipeline.producer_acquire()
-                # the next write into the ring waits until its buffer's store has read it
-                self.epi_barrier.arrive_and_wait()
-            subtiles_done += num_subtiles
-            work_idx += sched.work_stride()
-        if is_store_warp:
-            store_pipeline.producer_tail()
+    @cute.jit
+    def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, zero_init: cutlass.Constexpr):
+        """Issue (not wait for) the wgmma batch of one k-tile of this warpgroup."""
+        warpgroup.fence()
+        # a fresh atom per batch: its ACCUMULATE flag is a compile-time state
+        mma_atom = cute.make_mma_atom(tiled_mma.op)
+        mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            cute.gemm(mma_atom, acc, tCrA[(None, None, k_block, stage)], tCrB[(None, None, k_block, stage)], acc)
+            mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
 
     @cute.jit
     def _add_bias(self, acc, tCcC, mBias, col_start, num_cols):
-        # columns past N are clamped to N-1: those outputs are clipped by the TMA store
+        # columns past N are clamped to N-1: those outputs are never stored
         last_col = num_cols - 1
         for i in cutlass.range_constexpr(cute.size(acc)):
             col = cutlass.min(col_start + tCcC[i][1], last_col)
             acc[i] = acc[i] + Float32(mBias[col])
+
+    @cute.jit
+    def _store_direct(self, acc, tCcC, mC_mnl, tile_m_idx, tile_n_idx, batch_idx):
+        """fp32 out: each thread stores its accumulator values, predicated on the M/N tails."""
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        num_rows, num_cols = mC_mnl.shape[0], mC_mnl.shape[1]
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            row = tile_m_idx * tile_m + tCcC[i][0]
+            col = tile_n_idx * tile_n + tCcC[i][1]
+            if row < num_rows and col < num_cols:
+                mC_mnl[row, col, batch_idx] = acc[i]
+
+
+def _advance_state(state, steps):
+    """``state`` advanced by a runtime number of stages (the phase flips per wrap)."""
+    index = state.index + steps
+    wraps = index // state.stages
+    return pipeline.PipelineState(state.stages, state.count + steps, index - wraps * state.stages,
+                                  state.phase ^ (wraps % 2))
 
 
 # ---- compile-time variants ---------------------------------------------------------------
