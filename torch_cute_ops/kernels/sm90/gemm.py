@@ -124,6 +124,11 @@ class Sm90Gemm:
         self._launch(mA, mB, mC, mC, max_clusters, stream)
 
     def _launch(self, mA, mB, mBias, mC, max_clusters, stream):
+        # torch order -> kernel order: a (L, M, K) -> (M, K, L), b (L, K, N) -> (N, K, L),
+        # out (L, M, N) -> (M, N, L); layout permutations only, no data moves
+        mA = cute.make_tensor(mA.iterator, cute.select(mA.layout, mode=[1, 2, 0]))
+        mB = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[2, 1, 0]))
+        mC = cute.make_tensor(mC.iterator, cute.select(mC.layout, mode=[1, 2, 0]))
         a_layout = utils.LayoutEnum.ROW_MAJOR if self.a_k_major else utils.LayoutEnum.COL_MAJOR
         b_layout = utils.LayoutEnum.ROW_MAJOR if self.b_k_major else utils.LayoutEnum.COL_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -428,13 +433,13 @@ def _spec(ab: str, out: str, a_k_major: bool, b_k_major: bool, bias: bool, activ
     )
 
 
-def _fake_operand(dtype, k_major: bool):
-    """(rows, K, L) operand: K-major has stride (ld, 1, batch), else (1, ld, batch)."""
-    rows, k, batch = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+def _fake_operand(dtype, cols_major: bool):
+    """A torch-order (L, R, C) operand: strides (batch, ld, 1) if C is contiguous, else (batch, 1, ld)."""
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
     align = TMA_ALIGN_BYTES * 8 // dtype.width
-    ld, batch_stride = cute.sym_int64(divisibility=align), cute.sym_int64(divisibility=align)
-    stride = (ld, 1, batch_stride) if k_major else (1, ld, batch_stride)
-    return cute.runtime.make_fake_tensor(dtype, (rows, k, batch), stride, assumed_align=TMA_ALIGN_BYTES)
+    batch_stride, ld = cute.sym_int64(divisibility=align), cute.sym_int64(divisibility=align)
+    stride = (batch_stride, ld, 1) if cols_major else (batch_stride, 1, ld)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=TMA_ALIGN_BYTES)
 
 
 def build(spec: KernelSpec):
@@ -442,14 +447,11 @@ def build(spec: KernelSpec):
     activation = None if spec["act"] == "none" else spec["act"]
     gemm = Sm90Gemm(ab_dtype, out_dtype, spec["a_major"] == "k", spec["b_major"] == "k", spec["bias"],
                     activation, GemmConfig.from_spec_params(spec))
-    mA = _fake_operand(ab_dtype, gemm.a_k_major)
-    mB = _fake_operand(ab_dtype, gemm.b_k_major)
-    out_align = TMA_ALIGN_BYTES * 8 // out_dtype.width
-    mC = cute.runtime.make_fake_tensor(
-        out_dtype, (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
-        (cute.sym_int64(divisibility=out_align), 1, cute.sym_int64(divisibility=out_align)),
-        assumed_align=TMA_ALIGN_BYTES,
-    )
+    # torch-order tensors (a (L, M, K), b (L, K, N), out (L, M, N)); the jit function
+    # permutes their layouts, so the host passes torch tensors as they are
+    mA = _fake_operand(ab_dtype, cols_major=gemm.a_k_major)
+    mB = _fake_operand(ab_dtype, cols_major=not gemm.b_k_major)
+    mC = _fake_operand(out_dtype, cols_major=True)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if gemm.has_bias:
         mBias = cute.runtime.make_fake_compact_tensor(ab_dtype, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES)
@@ -604,10 +606,8 @@ def launch(a, b, bias, activation, out, config: GemmConfig | None = None) -> Non
     else:
         fn = get_compiled(_spec(ab, out_name, a_k_major, not b_n_major, bias is not None, activation, config))
         max_clusters = _max_clusters(device_index, config.cluster_m * config.cluster_n)
-    mA = a_view.permute(1, 2, 0)  # (M, K, L)
-    mB = b_view.permute(2, 1, 0)  # (N, K, L)
-    mC = _out_view(out).permute(1, 2, 0)  # (M, N, L)
+    out = _out_view(out)
     if bias is None:
-        fn(mA, mB, mC, max_clusters)
+        fn(a_view, b_view, out, max_clusters)
     else:
-        fn(mA, mB, bias, mC, max_clusters)
+        fn(a_view, b_view, bias, out, max_clusters)
