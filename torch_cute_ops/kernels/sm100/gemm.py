@@ -55,7 +55,7 @@ _EPILOGUE_BARRIER_ID = 1
 _TMEM_PTR_BARRIER_ID = 2
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_100")
-SMEM_RESERVED = 2048  # mbarriers, the TMEM address slot and alignment padding
+SMEM_RESERVED = 3072  # mbarriers, the TMEM address slot, the bias tile and alignment padding
 TMEM_COLUMNS = 512
 ACC_STAGES = 2  # accumulator buffers in TMEM: MMA of the next tile overlaps this tile's epilogue
 MMA_K_BLOCKS = 4  # tcgen05.mma instructions (k=16 for 16-bit inputs) per k-tile: 64-wide k-tiles
@@ -325,6 +325,11 @@ class GemmSm100:
             byte_alignment=128,
             swizzle=epi_smem_staged.inner,
         )
+        sBias = None
+        if cutlass.const_expr(mBias is not None):  # the bias slice of the current tile
+            sBias = smem.allocate_tensor(
+                element_type=mBias.element_type, layout=cute.make_layout(self.cta_tile_mnk[1]), byte_alignment=16
+            )
 
         # Global tiles: (bM, bK, RestM, RestK, RestL), (bN, bK, RestN, RestK, RestL), ...
         gA = cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
@@ -332,16 +337,10 @@ class GemmSm100:
         gOut = cute.local_tile(
             mOut_tma, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
         )
-        cOut = cute.local_tile(
-            cute.make_identity_tensor(mOut.shape),
-            cute.slice_(self.mma_tiler, (None, None, 0)),
-            (None, None, None),
-        )
         thr_mma = tiled_mma.get_slice(mma_half)
         tCgA = thr_mma.partition_A(gA)  # (MMA, MMA_M, MMA_K, RestM, RestK, RestL)
         tCgB = thr_mma.partition_B(gB)  # (MMA, MMA_N, MMA_K, RestN, RestK, RestL)
         tCgOut = thr_mma.partition_C(gOut)  # (MMA, MMA_M, MMA_N, RestM, RestN, RestL)
-        tCcOut = thr_mma.partition_C(cOut)
 
         # TMA views; A is multicast along the cluster's N mode, B along its M mode
         tAsA, tAgA = cpasync.tma_partition(
@@ -384,7 +383,7 @@ class GemmSm100:
             tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
             tCtAcc = cute.make_tensor(tmem_ptr, acc_layout)
             self.epilogue(
-                scheduler, acc_pipe, tCtAcc, tCgOut, tCcOut, sOut, tma_out, mOut, mBias,
+                scheduler, acc_pipe, tCtAcc, tCgOut, sOut, tma_out, mOut, mBias, sBias,
                 epi_tile, warp_idx,
             )
             tmem.relinquish_alloc_permit()
@@ -458,7 +457,7 @@ class GemmSm100:
         acc_pipe.producer_tail(acc_state)
 
     @cute.jit
-    def epilogue(self, scheduler, acc_pipe, tCtAcc, tCgOut, tCcOut, sOut, tma_out, mOut, mBias,
+    def epilogue(self, scheduler, acc_pipe, tCtAcc, tCgOut, sOut, tma_out, mOut, mBias, sBias,
                  epi_tile, warp_idx):
         tidx = cute.arch.thread_idx()[0]
         # TMEM -> registers: warp w reads lanes 32w..32w+31 (the tile's rows)
@@ -471,9 +470,8 @@ class GemmSm100:
         thr_t2r = tiled_t2r.get_slice(tidx)
         tTR_tAcc = thr_t2r.partition_S(tAcc_epi)  # (T2R, T2R_M, T2R_N, n_m, n_n, ACC_STAGE)
         gOut_epi = cute.flat_divide(_regroup_mma_modes(tCgOut), epi_tile)
-        cOut_epi = cute.flat_divide(_regroup_mma_modes(tCcOut), epi_tile)
-        tTR_cOut = thr_t2r.partition_D(cOut_epi)  # (T2R, T2R_M, T2R_N, n_m, n_n, RestM, RestN, RestL)
-        tTR_rAcc = cute.make_rmem_tensor(tTR_cOut[(None, None, None, 0, 0, 0, 0, 0)].shape, self.acc_dtype)
+        tTR_gOut = thr_t2r.partition_D(gOut_epi)  # (T2R, T2R_M, T2R_N, n_m, n_n, RestM, RestN, RestL)
+        tTR_rAcc = cute.make_rmem_tensor(tTR_gOut[(None, None, None, 0, 0, 0, 0, 0)].shape, self.acc_dtype)
         tTR_rOut = cute.make_rmem_tensor(tTR_rAcc.shape, self.out_dtype)
         # registers -> smem
         r2s_atom = sm100_utils.get_smem_store_op(self.out_layout, self.out_dtype, self.acc_dtype, tiled_t2r)
@@ -491,7 +489,10 @@ class GemmSm100:
         epi_barrier = pipeline.NamedBarrier(
             barrier_id=_EPILOGUE_BARRIER_ID, num_threads=32 * len(EPILOGUE_WARPS)
         )
-        n_last = mOut.shape[1] - 1
+        if cutlass.const_expr(mBias is not None):
+            # the bias tile seen as a (rows, cols) tile with row stride 0, split like the accumulator
+            sBias_mn = cute.make_tensor(sBias.iterator, cute.make_layout(self.cta_tile_mnk[:2], stride=(0, 1)))
+            tTR_sBias = cute.group_modes(thr_t2r.partition_D(cute.flat_divide(sBias_mn, epi_tile)), 3, 5)
 
         acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ACC_STAGES)
         subtiles = cute.size(tTR_tAcc, mode=[3]) * cute.size(tTR_tAcc, mode=[4])
@@ -500,8 +501,11 @@ class GemmSm100:
         while work_idx < num_work_units:
             m, n, l = self._mma_tile_coord(scheduler, work_idx)
             tTR_tAcc_tile = cute.group_modes(tTR_tAcc[(None, None, None, None, None, acc_state.index)], 3, 5)
-            tTR_cOut_tile = cute.group_modes(tTR_cOut[(None, None, None, None, None, m, n, l)], 3, 5)
             bSG_gOut_tile = cute.group_modes(bSG_gOut[(None, None, None, m, n, l)], 1, 3)
+            if cutlass.const_expr(mBias is not None):
+                # readers of the previous tile's bias are past this tile's last barrier already
+                self._stage_bias(mBias, sBias, n, tidx)
+                epi_barrier.arrive_and_wait()
             acc_pipe.consumer_wait(acc_state)
             for sub in cutlass.range_constexpr(subtiles):
                 cute.copy(tiled_t2r, tTR_tAcc_tile[(None, None, None, sub)], tTR_rAcc)
@@ -511,12 +515,9 @@ class GemmSm100:
                     with cute.arch.elect_one():
                         acc_pipe.consumer_release(acc_state)
                     acc_state.advance()
-                if cutlass.const_expr(mBias is not None):
-                    tTR_cOut_sub = tTR_cOut_tile[(None, None, None, sub)]
-                    for i in cutlass.range_constexpr(cute.size(tTR_rAcc)):
-                        # columns past N are clipped by the TMA store; clamp only to stay in bounds
-                        col = cutlass.min(tTR_cOut_sub[i][1], n_last)
-                        tTR_rAcc[i] = tTR_rAcc[i] + mBias[col].to(self.acc_dtype)
+                if cutlass.const_expr(mBias is not None):  # broadcast smem reads, in fp32
+                    bias = tTR_sBias[(None, None, None, sub)].load().to(self.acc_dtype)
+                    tTR_rAcc.store(tTR_rAcc.load() + bias)
                 apply_activation(tTR_rAcc, self.activation)
                 tTR_rOut.store(tTR_rAcc.load().to(self.out_dtype))
                 buf = store_count % self.epi_stages
@@ -534,6 +535,17 @@ class GemmSm100:
         if warp_idx == EPILOGUE_WARPS[0]:
             store_pipe.producer_tail()
         epi_barrier.arrive_and_wait()
+
+    @cute.jit
+    def _stage_bias(self, mBias, sBias, n_tile, tidx):
+        """bias[n_tile * tile_n:][:tile_n] -> smem, by the epilogue threads."""
+        tile_n = self.cta_tile_mnk[1]
+        n_last = mBias.shape[0] - 1
+        for j in cutlass.range_constexpr(cute.ceil_div(tile_n, 32 * len(EPILOGUE_WARPS))):
+            col = tidx + j * 32 * len(EPILOGUE_WARPS)
+            if col < tile_n:
+                # columns past N are clipped by the TMA store; clamp only to stay in bounds
+                sBias[col] = mBias[cutlass.min(n_tile * tile_n + col, n_last)]
 
 
 # ---------------------------------------------------------------------- variants
