@@ -108,15 +108,14 @@ register_heuristic("sm_90a", _sm90_heuristic)
 # Untuned (no Blackwell GPU was available): the rules only follow the tile counts.
 
 def _sm100_heuristic(m: int, n: int, k: int, batch: int, sm_count: int) -> GemmConfig:
-    pairs = sm_count // 2
-    if m > 128 and 4 * num_tiles(m, n, batch, 256, 256) >= 3 * pairs:
+    tile_n = 64 if n <= 64 else 128 if n <= 128 else 256  # no MMA columns wasted on a narrow N
+    if m > 128 and 4 * num_tiles(m, n, batch, 256, tile_n) >= 3 * (sm_count // 2):
         # tall problems: a 4x1 cluster also multicasts each B tile to both pairs of a column
-        return GemmConfig(256, 256, 4 if m >= 2048 else 2, 1)
-    if 4 * num_tiles(m, n, batch, 128, 256) >= 3 * sm_count:
-        return GemmConfig(128, 256)
-    if 2 * num_tiles(m, n, batch, 128, 128) >= sm_count:
-        return GemmConfig(128, 128)
-    return GemmConfig(128, 64)  # small problems: more, narrower CTAs to spread B's reads
+        return GemmConfig(256, tile_n, 4 if m >= 2048 else 2, 1)
+    # 1-CTA tiles, narrowed until the CTAs fill most of the device
+    while tile_n > 64 and 4 * num_tiles(m, n, batch, 128, tile_n) < 3 * sm_count:
+        tile_n //= 2
+    return GemmConfig(128, tile_n)
 
 
 register_heuristic("sm_100a", _sm100_heuristic)
