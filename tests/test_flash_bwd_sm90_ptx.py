@@ -31,8 +31,9 @@ def test_ptx_is_warp_specialized_wgmma_with_tma(spec_args, tmp_path):
     ptx = _ptx(flash_bwd._spec(dtype, head_dim, causal), tmp_path)
     assert ".target sm_90a" in ptx
     tile_m, tile_n, _ = flash_bwd.TILE_CONFIGS[head_dim]
-    # per query block: S and dP (head_dim / 16 k-steps), dV and dK (tile_m / 16), dQ (tile_n / 16)
-    expected_wgmma = 2 * head_dim // 16 + 2 * tile_m // 16 + tile_n // 16
+    # S (head_dim / 16 k-steps, issued in the prologue and one block ahead in the loop),
+    # dP (head_dim / 16), dV and dK (tile_m / 16), dQ (tile_n / 16)
+    expected_wgmma = 3 * head_dim // 16 + 2 * tile_m // 16 + tile_n // 16
     assert ptx.count("wgmma.mma_async") == expected_wgmma
     assert "cp.async.bulk.tensor" in ptx  # TMA loads/stores
     assert "cp.reduce.async.bulk.tensor" in ptx  # dQ reduce-add

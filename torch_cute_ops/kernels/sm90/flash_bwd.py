@@ -117,7 +117,13 @@ class FlashBwdSm90:
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.dq_cols = head_dim // 2  # each MMA warpgroup owns half of the dQ columns
-        self.rows_per_cta = 128  # pre/postprocess: one thread per (b, s, h) row
+        # pre/postprocess: a group of threads per (b, s, h) row, 16 contiguous bytes of
+        # dO/O/dQ per thread and chunk, so that a warp reads whole 128-byte lines
+        chunks = head_dim // 8
+        self.threads_per_row = 8 if chunks % 8 == 0 else 4
+        self.chunks_per_thread = chunks // self.threads_per_row
+        self.row_threads = 128
+        self.rows_per_cta = self.row_threads // self.threads_per_row
         # dK, dV tile (tile_n, head_dim) split over the two MMA warpgroups
         self.dkv_atoms = (2, 1) if tile_n == 128 else (1, 2)
 
@@ -150,10 +156,10 @@ class FlashBwdSm90:
         num_rows = cute.size(mQ.shape[0]) * cute.size(mQ.shape[1]) * cute.size(mQ.shape[2])
         row_grid = (cute.ceil_div(num_rows, self.rows_per_cta), 1, 1)
         self._preprocess_kernel(mO, mdO, mDelta, mdQacc).launch(
-            grid=row_grid, block=[self.rows_per_cta, 1, 1], stream=stream)
+            grid=row_grid, block=[self.row_threads, 1, 1], stream=stream)
         self._launch_main(mdO, mQ, mK, mV, mLSE, mdK, mdV, mDelta, mdQacc, softmax_scale, stream)
         self._postprocess_kernel(mdQacc, mdQ).launch(
-            grid=row_grid, block=[self.rows_per_cta, 1, 1], stream=stream)
+            grid=row_grid, block=[self.row_threads, 1, 1], stream=stream)
 
     @cute.jit
     def _launch_main(self, mdO, mQ, mK, mV, mLSE, mdK, mdV, mDelta, mdQacc, softmax_scale, stream):
@@ -170,7 +176,9 @@ class FlashBwdSm90:
                                  self.head_dim // self.dkv_atoms[1])
         sdO_layout = sQ_layout
         sKV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, None, self.dq_cols)
-        sPdS_layout = _smem_layout(self.dtype, self.tile_m, self.tile_n, None,
+        # P and dS: one buffer per Q stage, so that writing block i+1's P never waits
+        # for the other warpgroup's block-i GEMMs (with one stage a barrier orders them)
+        sPdS_layout = _smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages,
                                    self.tile_n // self.dkv_atoms[0])
         # fp32 dQ tile, one (tile_m, dq_cols) block per warpgroup
         sdQ_layout = _smem_layout(Float32, self.tile_m, self.dq_cols, 2)
@@ -220,39 +228,46 @@ class FlashBwdSm90:
     # ---------------------------------------------------------------- pre/postprocess
     @cute.jit
     def _row_coords(self, mX: cute.Tensor):
-        """This thread's (b, s, h) row of a (B, S, H, D) tensor, h fastest; valid flag."""
-        row = cute.arch.block_idx()[0] * self.rows_per_cta + cute.arch.thread_idx()[0]
+        """This thread's (b, s, h) row of a (B, S, H, D) tensor (h fastest), its lane in
+        the row's thread group and whether the row exists."""
+        tidx = cute.arch.thread_idx()[0]
+        row = cute.arch.block_idx()[0] * self.rows_per_cta + tidx // self.threads_per_row
         num_s, num_h = mX.shape[1], mX.shape[2]
         h = row % num_h
         s = (row // num_h) % num_s
         b = row // (num_h * num_s)
-        return b, s, h, b < mX.shape[0]
+        return b, s, h, tidx % self.threads_per_row, b < mX.shape[0]
 
     @cute.kernel
     def _preprocess_kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mDelta: cute.Tensor,
                            mdQacc: cute.Tensor):
-        b, s, h, valid = self._row_coords(mO)
+        b, s, h, lane, valid = self._row_coords(mO)
+        partial = Float32(0.0)
         if valid:
             o_row, do_row, acc_row = mO[b, s, h, None], mdO[b, s, h, None], mdQacc[b, s, h, None]
-            total = Float32(0.0)
-            for c in cutlass.range_constexpr(self.head_dim // 8):
-                o = cute.local_tile(o_row, (8,), (c,)).load().to(Float32)
-                do = cute.local_tile(do_row, (8,), (c,)).load().to(Float32)
-                total += (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            mDelta[b, h, s] = total
-            zeros = cute.make_rmem_tensor((4,), Float32)
+            zeros = cute.make_rmem_tensor((8,), Float32)
             zeros.fill(0.0)
-            for c in cutlass.range_constexpr(self.head_dim // 4):
-                cute.autovec_copy(zeros, cute.local_tile(acc_row, (4,), (c,)))
+            for k in cutlass.range_constexpr(self.chunks_per_thread):
+                chunk = lane + k * self.threads_per_row
+                o = cute.local_tile(o_row, (8,), (chunk,)).load().to(Float32)
+                do = cute.local_tile(do_row, (8,), (chunk,)).load().to(Float32)
+                partial += (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                cute.autovec_copy(zeros, cute.local_tile(acc_row, (8,), (chunk,)))
+        # every lane shuffles, valid row or not: the groups never straddle rows
+        total = cute.arch.warp_reduction_sum(partial, threads_in_group=self.threads_per_row)
+        if valid:
+            if lane == 0:
+                mDelta[b, h, s] = total
 
     @cute.kernel
     def _postprocess_kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor):
-        b, s, h, valid = self._row_coords(mdQ)
+        b, s, h, lane, valid = self._row_coords(mdQ)
         if valid:
             acc_row, dq_row = mdQacc[b, s, h, None], mdQ[b, s, h, None]
-            for c in cutlass.range_constexpr(self.head_dim // 8):
-                chunk = cute.local_tile(acc_row, (8,), (c,)).load()
-                cute.local_tile(dq_row, (8,), (c,)).store(chunk.to(self.dtype))
+            for k in cutlass.range_constexpr(self.chunks_per_thread):
+                chunk = lane + k * self.threads_per_row
+                acc = cute.local_tile(acc_row, (8,), (chunk,)).load()
+                cute.local_tile(dq_row, (8,), (chunk,)).store(acc.to(self.dtype))
 
     # ---------------------------------------------------------------- main kernel
     @cute.kernel
@@ -360,21 +375,19 @@ class FlashBwdSm90:
 
     @cute.jit
     def _row_stats(self, mLSE_bh: cute.Tensor, mDelta_bh: cute.Tensor, tScS: cute.Tensor,
-                   m_block: Int32, seqlen_q):
+                   m_block: Int32, seqlen_q, row_lse: cute.Tensor, row_delta: cute.Tensor):
         """lse * log2(e) and delta of the accumulator rows this thread owns.
 
         Rows past seqlen_q and rows with lse = -inf (they attend to nothing) get
         lse = +inf, so that P = exp2(S - lse) = 0 there and their gradient is zero.
         """
-        lse_log2, delta = [], []
         for r in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
             row = m_block * self.tile_m + tScS[r, 0][0]
             in_range = row < seqlen_q
             safe_row = cutlass.min(row, seqlen_q - 1)
             lse = cutlass.select_(in_range, mLSE_bh[safe_row], -math.inf)
-            lse_log2.append(cutlass.select_(lse == -math.inf, math.inf, lse * LOG2_E))
-            delta.append(cutlass.select_(in_range, mDelta_bh[safe_row], Float32(0.0)))
-        return lse_log2, delta
+            row_lse[r] = cutlass.select_(lse == -math.inf, math.inf, lse * LOG2_E)
+            row_delta[r] = cutlass.select_(in_range, mDelta_bh[safe_row], Float32(0.0))
 
     @cute.jit
     def _consume(self, tma_dK, tma_dV, tma_dQ, mdK, mdV, mdQacc, mLSE, mDelta,
@@ -428,67 +441,92 @@ class FlashBwdSm90:
         tdQsdQ = mma_dq.get_slice(tidx).partition_C(cute.group_modes(sdQ, 1, 3))
         sdQ_wg = cute.group_modes(sdQ[None, None, wg_idx], 0, 2)
 
-        state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipe_kv.consumer_wait(state_kv)
-        state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        # lse * log2(e) and delta of this thread's rows, fetched one block ahead
+        row_lse = cute.make_rmem_tensor((cute.size(tScS, mode=[0]),), Float32)
+        row_delta = cute.make_rmem_tensor((cute.size(tScS, mode=[0]),), Float32)
+
+        consumer = pipeline.PipelineUserType.Consumer
+        pipe_kv.consumer_wait(pipeline.make_pipeline_state(consumer, 1))
+        state_q = pipeline.make_pipeline_state(consumer, self.num_stages)  # block in work
+        state_q_next = pipeline.make_pipeline_state(consumer, self.num_stages)  # S issued ahead
+        state_do = pipeline.make_pipeline_state(consumer, self.num_stages)
         offset = seqlen_k - seqlen_q
         last_key = n_block * self.tile_n + self.tile_n - 1
-        for g in cutlass.range(group, unroll=1):
-            head = kv_head * group + g
-            mLSE_bh, mDelta_bh = mLSE[batch, head, None], mDelta[batch, head, None]
+        # one flat loop over (query head of the group, query block); never empty, as every
+        # key block is seen by the last query row
+        num_m = m_block_max - m_block_min
+        num_blocks = group * num_m
+        pipe_q.consumer_wait(state_q_next)
+        _wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state_q_next.index], tSrK, True)
+        state_q_next.advance()
+        self._row_stats(mLSE[batch, kv_head * group, None], mDelta[batch, kv_head * group, None],
+                        tScS, m_block_min, seqlen_q, row_lse, row_delta)
+        for block in cutlass.range(num_blocks, unroll=1):
+            head = kv_head * group + block // num_m
+            m_block = m_block_min + block % num_m
+            q_idx, do_idx = state_q.index, state_do.index
+            pds_idx = q_idx if const_expr(self.num_stages == 2) else 0
+            # dP = dO V^T joins S = Q K^T (issued one block ahead)
+            pipe_do.consumer_wait(state_do)
+            _wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, do_idx], tdPrV, True)
+            warpgroup.wait_group(1)
+
+            # P = exp2(S * scale * log2(e) - lse * log2(e))
+            needs_mask = last_key >= seqlen_k
+            if const_expr(self.causal):
+                needs_mask = needs_mask | (last_key > m_block * self.tile_m + offset)
+            if needs_mask:
+                mask_scores(acc_S, tScS, t0ScS, m_block * self.tile_m, n_block * self.tile_n,
+                            seqlen_q, seqlen_k, self.causal, True)
+            for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                    acc_S_rc[r, c] = cute.math.exp2(
+                        acc_S_rc[r, c] * scale_log2 - row_lse[r], fastmath=True)
+            if const_expr(self.num_stages == 1):
+                # single P/dS buffer: both warpgroups are done with the previous block's
+                cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
+            rP = _to_dtype(acc_S, self.dtype)
+            cute.copy(store_PdS, store_PdS.retile(rP), tPsP[None, None, None, pds_idx])
+
+            # dS = P * (dP - delta)
+            warpgroup.wait_group(0)
+            for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[1])):
+                    acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - row_delta[r])
+            rdS = _to_dtype(acc_dP, self.dtype)
+            cute.copy(store_PdS, store_PdS.retile(rdS), tdSsdS[None, None, None, pds_idx])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
+
+            # dV += P^T dO, dQ = dS K, dK += dS^T Q
+            _wgmma(mma_dv, acc_dV, tdVrPt[None, None, None, pds_idx],
+                   tdVrdOt[None, None, None, do_idx], False)
+            _wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, True)
+            _wgmma(mma_dk, acc_dK, tdKrdSt[None, None, None, pds_idx],
+                   tdKrQt[None, None, None, q_idx], False)
+            # the next block's S = Q K^T runs under the dQ store
+            has_next = block + 1 < num_blocks
+            if has_next:
+                next_head = kv_head * group + (block + 1) // num_m
+                pipe_q.consumer_wait(state_q_next)
+                _wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state_q_next.index], tSrK, True)
+                self._row_stats(mLSE[batch, next_head, None], mDelta[batch, next_head, None], tScS,
+                                m_block_min + (block + 1) % num_m, seqlen_q, row_lse, row_delta)
+                warpgroup.wait_group(2)
+            else:
+                warpgroup.wait_group(1)
+            state_q_next.advance()  # past the end on the last block: unused then
+            pipe_do.consumer_release(state_do)
+            state_do.advance()
             gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.dq_cols),
-                                  (None, wg_idx))
-            tdQsdQ_tma, tdQgdQ = cpasync.tma_partition(
-                tma_dQ, 0, cute.make_layout(1), sdQ_wg, cute.group_modes(gdQ, 0, 2))
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                q_idx, do_idx = state_q.index, state_do.index
-                # S = Q K^T and dP = dO V^T in flight together
-                pipe_q.consumer_wait(state_q)
-                _wgmma(mma_sdp, acc_S, tSrQ[None, None, None, q_idx], tSrK, True)
-                pipe_do.consumer_wait(state_do)
-                _wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, do_idx], tdPrV, True)
-                lse_log2, delta = self._row_stats(mLSE_bh, mDelta_bh, tScS, m_block, seqlen_q)
+                                  (m_block, wg_idx))
+            self._reduce_dq(acc_dQ, tdQsdQ, tma_dQ, sdQ_wg, gdQ, softmax_scale, wg_idx, warp_in_wg)
+            if has_next:
                 warpgroup.wait_group(1)
-
-                # P = exp2(S * scale * log2(e) - lse * log2(e))
-                needs_mask = last_key >= seqlen_k
-                if const_expr(self.causal):
-                    needs_mask = needs_mask | (last_key > m_block * self.tile_m + offset)
-                if needs_mask:
-                    mask_scores(acc_S, tScS, t0ScS, m_block * self.tile_m, n_block * self.tile_n,
-                                seqlen_q, seqlen_k, self.causal, True)
-                for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
-                    for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
-                        acc_S_rc[r, c] = cute.math.exp2(
-                            acc_S_rc[r, c] * scale_log2 - lse_log2[r], fastmath=True)
-                # both warpgroups are done with the previous block's P and dS
-                cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
-                rP = _to_dtype(acc_S, self.dtype)
-                cute.copy(store_PdS, store_PdS.retile(rP), tPsP)
-
-                # dS = P * (dP - delta)
+            else:
                 warpgroup.wait_group(0)
-                for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
-                    for c in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[1])):
-                        acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - delta[r])
-                rdS = _to_dtype(acc_dP, self.dtype)
-                cute.copy(store_PdS, store_PdS.retile(rdS), tdSsdS)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
-
-                # dV += P^T dO, dQ = dS K, dK += dS^T Q
-                _wgmma(mma_dv, acc_dV, tdVrPt, tdVrdOt[None, None, None, do_idx], False)
-                _wgmma(mma_dq, acc_dQ, tdQrdS, tdQrKt, True)
-                _wgmma(mma_dk, acc_dK, tdKrdSt, tdKrQt[None, None, None, q_idx], False)
-                warpgroup.wait_group(1)
-                pipe_do.consumer_release(state_do)
-                state_do.advance()
-                self._reduce_dq(acc_dQ, tdQsdQ, tma_dQ, tdQsdQ_tma, tdQgdQ[None, m_block],
-                                softmax_scale, wg_idx, warp_in_wg)
-                warpgroup.wait_group(0)
-                pipe_q.consumer_release(state_q)
-                state_q.advance()
+            pipe_q.consumer_release(state_q)
+            state_q.advance()
 
         if warp_in_wg == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -496,8 +534,7 @@ class FlashBwdSm90:
                         mdK, mdV, tidx, n_block, kv_head, batch)
 
     @cute.jit
-    def _reduce_dq(self, acc_dQ, tdQsdQ, tma_dQ, tdQsdQ_tma, tdQgdQ, softmax_scale,
-                   wg_idx, warp_in_wg):
+    def _reduce_dq(self, acc_dQ, tdQsdQ, tma_dQ, sdQ_wg, gdQ, softmax_scale, wg_idx, warp_in_wg):
         """Add this warpgroup's dQ tile (times the softmax scale) to the fp32 accumulator."""
         bar = _BAR_DQ + wg_idx
         if warp_in_wg == 0:  # the previous reduce-add has finished reading the tile
@@ -507,6 +544,8 @@ class FlashBwdSm90:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=bar, number_of_threads=128)
         if warp_in_wg == 0:
+            tdQsdQ_tma, tdQgdQ = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), sdQ_wg,
+                                                       cute.group_modes(gdQ, 0, 2))
             cute.copy(tma_dQ, tdQsdQ_tma, tdQgdQ)
             cute.arch.cp_async_bulk_commit_group()
 
