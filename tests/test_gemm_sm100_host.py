@@ -17,21 +17,23 @@ from torch_cute_ops.kernels.sm100 import gemm as sm100_gemm  # noqa: E402
 B200_SMS = 148
 SHAPES = [(8192, 8192, 8192, 1), (4096, 4096, 4096, 1), (2048, 2048, 2048, 1), (8192, 1024, 1024, 1),
           (1024, 1024, 1024, 1), (4096, 4096, 4096, 8), (256, 512, 512, 1), (64, 4096, 4096, 1),
-          (1, 8192, 8192, 1), (300, 200, 100, 3)]
-
-
-def _kernel_can_run(config: GemmConfig) -> bool:
-    two_cta = sm100_gemm.is_two_cta(config)
-    return (config.tile_m in (128, 256) and config.tile_n in (64, 128, 256)
-            and 2 * config.tile_n <= sm100_gemm.TMEM_COLUMNS  # two fp32 accumulator buffers
-            and (not two_cta or config.cluster_m % 2 == 0)  # a 2-CTA MMA needs the CTA pair
-            and config.cluster_m * config.cluster_n <= 16)
+          (1, 8192, 8192, 1), (300, 200, 100, 3), (65536, 64, 4096, 1), (8192, 128, 1024, 1)]
 
 
 @pytest.mark.parametrize("m,n,k,batch", SHAPES)
 def test_heuristic_picks_a_runnable_config(m, n, k, batch):
     config = choose_config("sm_100a", m, n, k, batch, B200_SMS)
-    assert _kernel_can_run(config), config
+    assert sm100_gemm.config_supported(config), config
+    assert 2 * config.tile_n <= sm100_gemm.TMEM_COLUMNS  # two fp32 accumulator buffers
+
+
+def test_config_supported():
+    assert sm100_gemm.config_supported(GemmConfig(256, 128, 2, 1))
+    assert not sm100_gemm.config_supported(GemmConfig(256, 128, 1, 2))  # no CTA pair along M
+    assert not sm100_gemm.config_supported(GemmConfig(64, 128))
+    assert not sm100_gemm.config_supported(GemmConfig(128, 256, pingpong=True))
+    with pytest.raises(ValueError):
+        sm100_gemm.GemmSm100(None, None, False, None, GemmConfig(128, 512))
 
 
 def test_heuristic_tile_sizes_follow_the_problem():
@@ -41,6 +43,8 @@ def test_heuristic_tile_sizes_follow_the_problem():
     assert choose_config("sm_100a", 128, 32768, 4096, 1, B200_SMS).tile_mn == (128, 256)
     small = choose_config("sm_100a", 64, 4096, 4096, 1, B200_SMS)
     assert not sm100_gemm.is_two_cta(small) and small.tile_n <= 128
+    narrow = choose_config("sm_100a", 65536, 64, 4096, 1, B200_SMS)  # no MMA columns past N
+    assert sm100_gemm.is_two_cta(narrow) and narrow.tile_n == 64
 
 
 def _simulate(m, n, batch, config: GemmConfig, max_clusters: int):

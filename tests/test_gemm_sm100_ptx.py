@@ -101,6 +101,8 @@ SWEEP = [
     sm100_gemm.make_spec("fp16", "fp16", False, None, "k", "n", GemmConfig(128, 64)),
     sm100_gemm.make_spec("bf16", "fp32", True, "gelu_tanh", "m", "n", GemmConfig(256, 256, 2, 1)),
     sm100_gemm.make_spec("bf16", "bf16", True, "relu", "k", "k", GemmConfig(256, 256, 4, 1)),
+    sm100_gemm.make_spec("fp16", "fp16", True, "gelu_tanh", "k", "n", GemmConfig(256, 64, 4, 1)),
+    sm100_gemm.make_spec("bf16", "bf16", False, None, "m", "k", GemmConfig(256, 128, 2, 1)),
 ]
 
 

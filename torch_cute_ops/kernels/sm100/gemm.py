@@ -66,6 +66,13 @@ def is_two_cta(config: GemmConfig) -> bool:
     return config.tile_m == 256
 
 
+def config_supported(config: GemmConfig) -> bool:
+    """Tiles of 128/256 MMA rows by 64/128/256 columns; a 2-CTA MMA needs whole CTA pairs."""
+    return (config.tile_m in (128, 256) and config.tile_n in (64, 128, 256) and not config.pingpong
+            and (not is_two_cta(config) or config.cluster_m % 2 == 0)
+            and config.cluster_m * config.cluster_n <= 16)
+
+
 def _regroup_mma_modes(tensor: cute.Tensor) -> cute.Tensor:
     """((ATOM_M, ATOM_N), MMA_M, MMA_N, ...) -> ((ATOM_M, MMA_M), (ATOM_N, MMA_N), ...).
 
@@ -85,6 +92,8 @@ class GemmSm100:
     """One compiled variant: dtypes, majorness (read from the tensors), epilogue, tile config."""
 
     def __init__(self, ab_dtype, out_dtype, has_bias: bool, activation, config: GemmConfig):
+        if not config_supported(config):
+            raise ValueError(f"unsupported sm100 GEMM config {config}")
         self.ab_dtype = ab_dtype
         self.out_dtype = out_dtype
         self.has_bias = has_bias  # the bias has the input dtype (the op layer's contract)
