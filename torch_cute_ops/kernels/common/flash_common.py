@@ -252,8 +252,9 @@ class OnlineSoftmax(DslState):
                 row_scale[r] = 1.0
                 self.row_sum[r] = exp_row.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             else:
-                safe_prev = 0.0 if prev_max == -Float32.inf else prev_max
-                row_scale[r] = cute.math.exp2((safe_prev - safe_max) * self.scale_log2, fastmath=True)
+                # a row that saw only -inf so far has O = 0 and sum = 0: its factor is
+                # exp2(-inf) = 0, never exp2(+huge) = inf (0 * inf would be NaN)
+                row_scale[r] = cute.math.exp2((prev_max - safe_max) * self.scale_log2, fastmath=True)
                 self.row_sum[r] = exp_row.reduce(
                     cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0
                 )
@@ -293,7 +294,7 @@ def scale_rows(acc_o: cute.Tensor, row_scale: cute.Tensor):
 class AttentionTileScheduler(DslState):
     """Static persistent schedule of (m_block, head, batch) tiles.
 
-    CTA ``c`` of ``G`` takes tiles ``c, c + G, c + 2G, ...``. Tiles are numbered in
+    CTA ``c`` of ``G`` takes one tile per wave of ``G`` tiles. Tiles are numbered in
     sections of ``heads_per_section`` (batch, head) pairs; inside a section the
     query block is the slow index and the head the fast one, so the CTAs in flight
     share the K/V of a few heads (L2 reuse). With ``longest_first`` (causal) query
@@ -324,17 +325,27 @@ class AttentionTileScheduler(DslState):
         per_head = cutlass.max(seqlen_k, 1) * kv_bytes_per_key
         return cutlass.max(cutlass.min(L2_KV_BUDGET_BYTES // per_head, num_bh), 1)
 
+    # A CTA walks "work" indices 0, 1, 2, ...; work w of CTA c is tile w * G + c on even
+    # waves and w * G + (G - 1 - c) on odd ones (snake order), so that a CTA that got
+    # one of the longest tiles of a wave gets one of the shortest of the next.
     def first_tile(self) -> Int32:
-        return Int32(cute.arch.block_idx()[0])
+        return Int32(0)
 
-    def next_tile(self, tile: Int32) -> Int32:
-        return tile + Int32(cute.arch.grid_dim()[0])
+    def next_tile(self, work: Int32) -> Int32:
+        return work + 1
 
-    def is_valid(self, tile: Int32):
-        return tile < self.num_tiles
+    def tile_of(self, work: Int32) -> Int32:
+        ctas = Int32(cute.arch.grid_dim()[0])
+        cta = Int32(cute.arch.block_idx()[0])
+        odd = work % 2
+        return work * ctas + cta + odd * (ctas - 1 - 2 * cta)
 
-    def coords(self, tile: Int32) -> tuple:
-        """(m_block, head, batch) of a tile number."""
+    def is_valid(self, work: Int32):
+        return self.tile_of(work) < self.num_tiles
+
+    def coords(self, work: Int32) -> tuple:
+        """(m_block, head, batch) of this CTA's work item."""
+        tile = self.tile_of(work)
         section_tiles = self.heads_per_section * self.num_m_blocks
         section = tile // section_tiles
         within = tile - section * section_tiles

@@ -67,21 +67,23 @@ class FwdConfig:
     num_wg: int  # consumer warpgroups; tile_m = 64 * num_wg
     num_stages: int
     pingpong: bool  # round-robin the tensor cores between consumer WGs
+    separate_o: bool  # O has its own smem; else it reuses Q's (no room at D >= 192)
 
     @property
     def tile_m(self) -> int:
         return 64 * self.num_wg
 
 
+@lru_cache(maxsize=None)
 def config_for(head_dim: int) -> FwdConfig:
     """Tile shapes that fit 227 KB of smem and the register budget (FA3's choices)."""
     if head_dim <= 64:
-        return FwdConfig(tile_n=128, num_wg=3, num_stages=2, pingpong=True)
+        return FwdConfig(tile_n=128, num_wg=3, num_stages=2, pingpong=True, separate_o=True)
     if head_dim <= 128:
-        return FwdConfig(tile_n=128, num_wg=2, num_stages=2, pingpong=True)
+        return FwdConfig(tile_n=128, num_wg=2, num_stages=2, pingpong=True, separate_o=True)
     if head_dim <= 192:
-        return FwdConfig(tile_n=112, num_wg=2, num_stages=2, pingpong=False)
-    return FwdConfig(tile_n=80, num_wg=2, num_stages=2, pingpong=False)
+        return FwdConfig(tile_n=112, num_wg=2, num_stages=2, pingpong=False, separate_o=False)
+    return FwdConfig(tile_n=80, num_wg=2, num_stages=2, pingpong=False, separate_o=False)
 
 
 def _smem_layout(dtype, rows: int, cols: int, stages: int):
@@ -150,6 +152,11 @@ class FlashFwdSm90:
         self.num_wg = config.num_wg
         self.num_stages = config.num_stages
         self.pingpong = config.pingpong and config.num_wg > 1
+        self.separate_o = config.separate_o
+        # Where O takes the max correction. With ping-pong the WG holding the tensor-core
+        # turn must issue at once, so O is rescaled after the softmax, off that path;
+        # without it, rescaling while S is computed hides the FMULs (large O at D >= 192).
+        self.rescale_before_pv = not self.pingpong
         self.num_threads = 128 * (config.num_wg + 1)
         # 64K registers per SM: the producer WG keeps few, the consumers get the rest
         self.consumer_regs, self.producer_regs = {2: (240, 24), 3: (160, 32)}[config.num_wg]
@@ -222,6 +229,9 @@ class FlashFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(k_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], 1024]
+            sO: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(q_layout) if self.separate_o else 0], 1024
+            ]
 
         seqlen_q, num_heads, batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
         num_m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
@@ -300,6 +310,9 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        sO = sQ  # the WG's Q slab is free once its last QK GEMM is done
+        if const_expr(self.separate_o):
+            sO = storage.sO.get_tensor(q_layout.outer, swizzle=q_layout.inner)
 
         scheduler = AttentionTileScheduler(
             num_m_blocks, mQ.shape[2], mQ.shape[3], heads_per_section, self.causal
@@ -313,7 +326,7 @@ class FlashFwdSm90:
                              pipe_q, pipe_k, pipe_v, scheduler)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(mO, mLSE, sQ, sK, sV, tma_o, tiled_mma_qk, tiled_mma_pv,
+            self.consume(mO, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, scheduler, scale_log2,
                          mQ.shape[0], mK.shape[0])
 
@@ -375,7 +388,7 @@ class FlashFwdSm90:
 
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consume(self, mO, mLSE, sQ, sK, sV, tma_o, tiled_mma_qk, tiled_mma_pv,
+    def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                 pipe_q, pipe_k, pipe_v, scheduler: AttentionTileScheduler,
                 scale_log2: Float32, seqlen_q: Int32, seqlen_k: Int32):
         D = self.head_dim
@@ -444,16 +457,25 @@ class FlashFwdSm90:
                     kv_state = self.overlapped_block(
                         kv_state, n_free - 1 - i, qk_gemm, pv_gemm, to_p, mask, False,
                         softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
+                # all QK GEMMs are done: with its own O buffer, Q can be refilled now,
+                # under the last P V and the epilogue
+                if const_expr(self.separate_o):
+                    pipe_q.consumer_release(q_state)
                 # the last P V
-                scale_rows(acc_o, o_scale)
+                if const_expr(self.rescale_before_pv):
+                    scale_rows(acc_o, o_scale)
                 pipe_v.consumer_wait(kv_state)
                 pv_gemm(kv_state.index, 0)
                 pipe_v.consumer_release(kv_state)
                 kv_state.advance()
+            else:
+                if const_expr(self.separate_o):
+                    pipe_q.consumer_release(q_state)
 
-            self.epilogue(acc_o, softmax, mO, mLSE, sQ_wg, tma_o, tiled_mma_pv, thr_pv,
-                          wg, wg_tidx, m_block, head, batch, row_start, seqlen_q)
-            pipe_q.consumer_release(q_state)
+            self.epilogue(acc_o, softmax, mO, mLSE, sO[None, None, wg], tma_o, tiled_mma_pv,
+                          thr_pv, wg, wg_tidx, m_block, head, batch, row_start, seqlen_q)
+            if const_expr(not self.separate_o):
+                pipe_q.consumer_release(q_state)
             q_state.advance()
             tile = scheduler.next_tile(tile)
 
@@ -467,8 +489,8 @@ class FlashFwdSm90:
         pipe_k.consumer_wait(kv_state)
         self.sched_wait(wg)
         acc_s = qk_gemm(kv_state.index, -1)
-        # O's rows take the previous block's max correction while S is computed
-        scale_rows(acc_o, o_scale)
+        if const_expr(self.rescale_before_pv):
+            scale_rows(acc_o, o_scale)  # the previous block's max correction, under S's GEMM
         pipe_v.consumer_wait(v_state)
         pv_gemm(v_state.index, -1)
         self.sched_pass(wg)
@@ -479,7 +501,10 @@ class FlashFwdSm90:
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         to_p(acc_s)  # P(n+1) is consumed: overwrite it
-        o_scale.store(row_scale.load())
+        if const_expr(self.rescale_before_pv):
+            o_scale.store(row_scale.load())
+        else:
+            scale_rows(acc_o, row_scale)
         return kv_state
 
     def sched_wait(self, wg):
@@ -507,7 +532,7 @@ class FlashFwdSm90:
                 if row < seqlen_q:
                     mLSE[row, head, batch] = lse[r]
 
-        # O: registers -> this WG's Q slab (its QK GEMMs are done) -> TMA store
+        # O: registers -> this WG's O slab in smem -> TMA store
         rO = cute.make_rmem_tensor_like(acc_o, self.dtype)
         convert_to_16bit(acc_o, rO)
         store_atom = cute.make_copy_atom(
@@ -523,7 +548,7 @@ class FlashFwdSm90:
             cute.copy(tma_o, tOsO, tOgO[None, m_block * self.num_wg + wg])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        # the slab is free for the next Q once the store has read it
+        # the slab may be rewritten (next O, or next Q when shared) once the store has read it
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
 
 
@@ -625,4 +650,18 @@ def launch(q, k, v, out, lse, softmax_scale: float, causal: bool) -> None:
         lse.fill_(float("-inf"))
         return
     fn = _compiled(_dtype_name(q.dtype), q.shape[-1], bool(causal))
-    fn(q, k, v, out, lse, float(softmax_scale), _num_sms(q.device.index or 0))
+    max_ctas = _max_ctas(q.device.index or 0, causal, q.shape[-1], k.shape[1])
+    fn(q, k, v, out, lse, float(softmax_scale), max_ctas)
+
+
+def _max_ctas(device_index: int, causal: bool, head_dim: int, seqlen_k: int) -> int:
+    """Persistent (one CTA per SM) for equal-length or short tiles. Long causal tiles get
+    one CTA each, so that the hardware hands the longest-first tiles to whichever SM
+    frees up (dynamic LPT, no atomics); measured on H200, it pays from ~8 key blocks."""
+    if causal and seqlen_k > _LPT_MIN_KEY_BLOCKS * config_for(head_dim).tile_n:
+        return _ONE_CTA_PER_TILE
+    return _num_sms(device_index)
+
+
+_ONE_CTA_PER_TILE = 2**31 - 1
+_LPT_MIN_KEY_BLOCKS = 8
