@@ -7,6 +7,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 pytest.importorskip("cutlass")
 
@@ -23,10 +24,25 @@ def _compile(spec, dump_dir):
     """Compile like compile_spec(spec, dump_dir) does, keeping the kernel object to inspect its plan."""
     jit_fn, fake_args = sm100_gemm.build(spec)
     options = f"{COMPILE_OPTIONS} --gpu-arch={spec.arch} --keep-ptx --keep-cubin --dump-dir={dump_dir}"
-    cute.compile(jit_fn, *fake_args, options=options)
+    compiled = cute.compile(jit_fn, *fake_args, options=options)
     ptx_files, cubins = list(dump_dir.glob("*.ptx")), list(dump_dir.glob("*.cubin"))
     assert len(ptx_files) == 1 and len(cubins) == 1 and cubins[0].stat().st_size > 0
-    return jit_fn.__self__, ptx_files[0].read_text()
+    return compiled, jit_fn.__self__, ptx_files[0].read_text()
+
+
+def _check_call_contract(compiled, spec):
+    """launch() calls fn(a, b[, bias], out, max_clusters) with torch-order tensors and no stream:
+    CPU tensors of the right layouts get as far as the device check of the first argument."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec["ab"]]
+    a = torch.empty(1, 64, 32, dtype=dtype)
+    a = a if spec["a_major"] == "k" else a.transpose(1, 2).contiguous().transpose(1, 2)
+    b = torch.empty(1, 32, 16, dtype=dtype)
+    b = b if spec["b_major"] == "n" else b.transpose(1, 2).contiguous().transpose(1, 2)
+    out_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec["out"]]
+    out = torch.empty(1, 64, 16, dtype=out_dtype)
+    args = (a, b, torch.empty(16, dtype=dtype), out) if spec["bias"] else (a, b, out)
+    with pytest.raises(ValueError, match=r"argument #0.*max_clusters: int32\)`, expected device_type=cuda"):
+        compiled(*args, 148)
 
 
 def _ptxas_spills(ptx_path):
@@ -43,7 +59,8 @@ def _count(pattern, ptx):
 
 
 def _check_variant(spec, tmp_path):
-    gemm, ptx = _compile(spec, tmp_path)
+    compiled, gemm, ptx = _compile(spec, tmp_path)
+    _check_call_contract(compiled, spec)
     two_cta = spec["tile"][0] == 256
     assert re.search(r"^\.target\s+sm_100a", ptx, re.M)
     group = "cta_group::2" if two_cta else "cta_group::1"
