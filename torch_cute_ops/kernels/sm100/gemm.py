@@ -511,7 +511,7 @@ class GemmSm100:
             tTR_tAcc_tile = cute.group_modes(tTR_tAcc[(None, None, None, None, None, acc_state.index)], 3, 5)
             bSG_gOut_tile = cute.group_modes(bSG_gOut[(None, None, None, m, n, l)], 1, 3)
             if cutlass.const_expr(mBias is not None):
-                # readers of the previous tile's bias are past this tile's last barrier already
+                # every reader of the previous tile's bias has passed that tile's last barrier
                 self._stage_bias(mBias, sBias, n, tidx)
                 epi_barrier.arrive_and_wait()
             acc_pipe.consumer_wait(acc_state)
