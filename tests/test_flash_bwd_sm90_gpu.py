@@ -167,7 +167,8 @@ def _bench():
 
     shapes = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128), (2, 8192, 32, 64),
               (2, 8192, 8, 256)]
-    rows = []
+    print(f"{torch.cuda.get_device_name()} bf16 attention backward TFLOP/s (2.5x fwd flops)")
+    print("| B S H D causal | ours | cuDNN | SDPA flash | FA4 | ours/cuDNN |", flush=True)
     for batch, seqlen, heads, head_dim in shapes:
         for causal in (False, True):
             q, k, v, dout = _make_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16)
@@ -205,17 +206,14 @@ def _bench():
                         warmup=25, rep=100, return_mode="median")
                 except Exception as err:  # noqa: BLE001
                     print("fa4 failed:", type(err).__name__, str(err)[:200])
-            rows.append(((batch, seqlen, heads, head_dim, causal),
-                         {n: tflops(ms) for n, ms in timings.items()}))
+            t = {n: tflops(ms) for n, ms in timings.items()}
+            cell = lambda n: f"{t[n]:.0f}" if n in t else "-"
+            ratio = f"{t['ours'] / t['cudnn']:.2f}" if "cudnn" in t else "-"
+            print(f"| B{batch} S{seqlen} H{heads} D{head_dim} {'causal' if causal else 'full'} | "
+                  f"{cell('ours')} | {cell('cudnn')} | {cell('sdpa_flash')} | {cell('fa4')} | "
+                  f"{ratio} |", flush=True)
             del q, k, v, dout, qt, kt, vt, out_t, out, grads
             torch.cuda.empty_cache()
-    print(f"\n{torch.cuda.get_device_name()} bf16 attention backward TFLOP/s (2.5x fwd flops)")
-    print("| B S H D causal | ours | cuDNN | SDPA flash | FA4 | ours/cuDNN |")
-    for (b, s, h, d, c), t in rows:
-        cell = lambda n: f"{t[n]:.0f}" if n in t else "-"
-        ratio = f"{t['ours'] / t['cudnn']:.2f}" if "cudnn" in t else "-"
-        print(f"| B{b} S{s} H{h} D{d} {'causal' if c else 'full'} | {cell('ours')} | "
-              f"{cell('cudnn')} | {cell('sdpa_flash')} | {cell('fa4')} | {ratio} |")
 
 
 if __name__ == "__main__":

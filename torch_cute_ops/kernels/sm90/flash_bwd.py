@@ -452,21 +452,27 @@ class FlashBwdSm90:
         state_do = pipeline.make_pipeline_state(consumer, self.num_stages)
         offset = seqlen_k - seqlen_q
         last_key = n_block * self.tile_n + self.tile_n - 1
-        # one flat loop over (query head of the group, query block); never empty, as every
-        # key block is seen by the last query row
+        # One flat loop over (query head of the group, query block); never empty, as every
+        # key block is seen by the last query row. With two Q stages the next block's
+        # S = Q K^T is issued before this block's dQ store, to keep the tensor cores busy.
+        lookahead = self.num_stages > 1
         num_m = m_block_max - m_block_min
         num_blocks = group * num_m
-        pipe_q.consumer_wait(state_q_next)
-        _wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state_q_next.index], tSrK, True)
-        state_q_next.advance()
-        self._row_stats(mLSE[batch, kv_head * group, None], mDelta[batch, kv_head * group, None],
-                        tScS, m_block_min, seqlen_q, row_lse, row_delta)
+        issue_s = lambda head, m_block: self._issue_s(
+            pipe_q, state_q_next, mma_sdp, acc_S, tSrQ, tSrK, mLSE[batch, head, None],
+            mDelta[batch, head, None], tScS, m_block, seqlen_q, row_lse, row_delta)
+        if const_expr(lookahead):
+            issue_s(kv_head * group, m_block_min)
+            state_q_next.advance()
         for block in cutlass.range(num_blocks, unroll=1):
             head = kv_head * group + block // num_m
             m_block = m_block_min + block % num_m
             q_idx, do_idx = state_q.index, state_do.index
             pds_idx = q_idx if const_expr(self.num_stages == 2) else 0
-            # dP = dO V^T joins S = Q K^T (issued one block ahead)
+            if const_expr(not lookahead):
+                issue_s(head, m_block)
+                state_q_next.advance()
+            # dP = dO V^T joins S = Q K^T
             pipe_do.consumer_wait(state_do)
             _wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, do_idx], tdPrV, True)
             warpgroup.wait_group(1)
@@ -504,25 +510,28 @@ class FlashBwdSm90:
             _wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, True)
             _wgmma(mma_dk, acc_dK, tdKrdSt[None, None, None, pds_idx],
                    tdKrQt[None, None, None, q_idx], False)
-            # the next block's S = Q K^T runs under the dQ store
-            has_next = block + 1 < num_blocks
-            if has_next:
-                next_head = kv_head * group + (block + 1) // num_m
-                pipe_q.consumer_wait(state_q_next)
-                _wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state_q_next.index], tSrK, True)
-                self._row_stats(mLSE[batch, next_head, None], mDelta[batch, next_head, None], tScS,
-                                m_block_min + (block + 1) % num_m, seqlen_q, row_lse, row_delta)
-                warpgroup.wait_group(2)
+            # wait for dV and dQ; with the look-ahead, the next S is one more group in flight
+            if const_expr(lookahead):
+                has_next = block + 1 < num_blocks
+                if has_next:
+                    issue_s(kv_head * group + (block + 1) // num_m,
+                            m_block_min + (block + 1) % num_m)
+                    warpgroup.wait_group(2)
+                else:
+                    warpgroup.wait_group(1)
+                state_q_next.advance()  # past the end on the last block: unused then
             else:
                 warpgroup.wait_group(1)
-            state_q_next.advance()  # past the end on the last block: unused then
             pipe_do.consumer_release(state_do)
             state_do.advance()
             gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.dq_cols),
                                   (m_block, wg_idx))
             self._reduce_dq(acc_dQ, tdQsdQ, tma_dQ, sdQ_wg, gdQ, softmax_scale, wg_idx, warp_in_wg)
-            if has_next:
-                warpgroup.wait_group(1)
+            if const_expr(lookahead):
+                if has_next:
+                    warpgroup.wait_group(1)
+                else:
+                    warpgroup.wait_group(0)
             else:
                 warpgroup.wait_group(0)
             pipe_q.consumer_release(state_q)
@@ -532,6 +541,14 @@ class FlashBwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self._store_dkv(acc_dK, acc_dV, softmax_scale, mma_dk, sK, sV, tma_dK, tma_dV,
                         mdK, mdV, tidx, n_block, kv_head, batch)
+
+    @cute.jit
+    def _issue_s(self, pipe_q, state_q, mma_sdp, acc_S, tSrQ, tSrK, mLSE_bh, mDelta_bh, tScS,
+                 m_block, seqlen_q, row_lse, row_delta):
+        """Issue S = Q K^T for a query block and fetch its rows' lse and delta meanwhile."""
+        pipe_q.consumer_wait(state_q)
+        _wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state_q.index], tSrK, True)
+        self._row_stats(mLSE_bh, mDelta_bh, tScS, m_block, seqlen_q, row_lse, row_delta)
 
     @cute.jit
     def _reduce_dq(self, acc_dQ, tdQsdQ, tma_dQ, sdQ_wg, gdQ, softmax_scale, wg_idx, warp_in_wg):
