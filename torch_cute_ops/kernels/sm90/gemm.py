@@ -318,6 +318,16 @@ class Sm90Gemm:
         # the producer fills the ring tile by tile in schedule order and tile groups take
         # turns: each group skips the k-tiles of the other groups' tiles
         skip = num_k_tiles * (self.num_tile_groups - 1)
+        if cutlass.const_expr(self.pingpong):
+            # Turn barriers: a group starts its main loop only once the other group has
+            # waited on all stages of its own tile. Besides serializing the tensor-core
+            # work (so an epilogue overlaps the other group's main loop), this keeps every
+            # stage barrier at most one phase ahead of its waiter, which the parity waits
+            # of the mbarriers need. Group 1 pre-arrives so that group 0 goes first.
+            my_turn = pipeline.NamedBarrier(barrier_id=3 + group, num_threads=2 * self.tile_threads)
+            other_turn = pipeline.NamedBarrier(barrier_id=4 - group, num_threads=2 * self.tile_threads)
+            if group == 1:
+                other_turn.arrive()
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         read_state = _advance_state(read_state, num_k_tiles * group)
         release_state = read_state.clone()
@@ -330,6 +340,8 @@ class Sm90Gemm:
 
             # ---- main loop: one wgmma batch in flight; a stage is released once the
             # batch that read it retired. k-tile 0 is peeled: it zero-initializes acc.
+            if cutlass.const_expr(self.pingpong):
+                my_turn.arrive_and_wait()
             ab_pipeline.consumer_wait(read_state)
             self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, zero_init=True)
             read_state.advance()
@@ -340,6 +352,8 @@ class Sm90Gemm:
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
                 read_state.advance()
+            if cutlass.const_expr(self.pingpong):
+                other_turn.arrive()
             warpgroup.wait_group(0)
             ab_pipeline.consumer_release(release_state)
             release_state.advance()
