@@ -42,6 +42,15 @@ def test_fp32_out_m_major_ptx(tmp_path):
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
 
 
+def test_pingpong_ptx(tmp_path):
+    """Ping-pong: two 128x128 warpgroup tiles, turn-taking named barriers between them."""
+    spec = sm90_gemm._spec("bf16", "bf16", True, False, False, None, GemmConfig(128, 128, 2, 1, pingpong=True))
+    compile_spec(spec, dump_dir=tmp_path)
+    ptx = _ptx(tmp_path)
+    assert "wgmma.mma_async" in ptx and "bar.arrive" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
+
+
 def _operand(batch, rows, cols, cols_major):
     t = torch.empty(batch, rows, cols) if cols_major else torch.empty(batch, cols, rows).transpose(1, 2)
     return t.to(torch.bfloat16)

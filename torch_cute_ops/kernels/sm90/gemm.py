@@ -2,10 +2,11 @@
 
 Kernel convention: A is (M, K, L), B is (N, K, L), C is (M, N, L); each of A and B
 is K-major or M/N-major (decided at compile time from which stride is the static
-1), C is N-major. The torch layout the op layer hands over, a (L, M, K), b (L, K, N)
-and out (L, M, N), maps onto it with free ``permute`` views.
+1), C is N-major. The compiled function takes the torch tensors the op layer hands
+over, a (L, M, K), b (L, K, N) and out (L, M, N), and permutes their layouts in the
+jit host function (no torch-side views or copies).
 
-One CTA = one producer warpgroup + one or two consumer warpgroups:
+One CTA = one producer warpgroup + two consumer warpgroups (one for 64-row tiles):
 
 * producer (warp 0 of warpgroup 0, 40 registers): walks the same persistent tile
   schedule as the consumers and streams ``tile_m x 64`` A and ``tile_n x 64`` B
@@ -13,12 +14,15 @@ One CTA = one producer warpgroup + one or two consumer warpgroups:
   ``PipelineTmaAsync`` mbarrier per stage. In a 2x1 cluster each CTA loads half of
   the shared B tile and multicasts it to both CTAs.
 * consumers (232 registers each): WGMMA over the stages with one wgmma batch in
-  flight, releasing each stage as soon as the batch that read it retired. Two
-  warpgroups split a 128-row tile into two 64-row halves (cooperative).
+  flight, releasing each stage as soon as the batch that read it retired.
+  Cooperative (default): the two warpgroups split a 128-row tile into 64-row halves.
+  Ping-pong (``GemmConfig.pingpong``): each warpgroup owns whole tiles and the two
+  take turns, so one's epilogue runs under the other's main loop.
 * epilogue (consumers): bias (per column, fp32) and the activation in registers,
-  convert, ``stmatrix`` into a small smem ring of ``tile_m x 32`` subtiles, and TMA
-  stores from there, so M/N tails are clipped by the TMA unit, not by predicates.
-  Meanwhile the producer already prefetches the next tile's k-tiles.
+  then for 16-bit outputs ``stmatrix`` into a small smem ring of ``64k x 32``
+  subtiles and TMA stores from there (M/N tails clipped by the TMA unit); fp32
+  outputs are stored from registers with M/N predicates. Meanwhile the producer
+  already prefetches the next tile's k-tiles.
 
 The tile schedule is :class:`~..common.tile_scheduler.PersistentTileScheduler`
 (banded rasterization for L2 reuse); the tile/cluster come from
