@@ -584,6 +584,8 @@ def unsupported_reason(a, b, bias, activation, out_dtype) -> str | None:
         return f"out: rows of N={n} {out_dtype} elements are not a multiple of 16 bytes (TMA store)"
     if bias is not None and (bias.dim() != 1 or bias.stride(0) != 1 and bias.shape[0] > 1):
         return "bias: must be a contiguous (N,) vector"
+    if bias is not None and bias.data_ptr() % TMA_ALIGN_BYTES:
+        return "bias: data pointer is not 16-byte aligned (the kernel assumes it)"
     if max(batch, m, n, k) >= 2**31:
         return "sm90 gemm kernel: sizes must fit in int32"
     return None
