@@ -168,6 +168,7 @@ def measure(shape: Shape, backward: bool, providers, warmup_ms: int, rep_ms: int
         if isinstance(fn, str):
             row.notes[name] = fn
             continue
+        print(f"  {shape.name}: timing {name}", flush=True)  # shows where a hang sits
         fn()  # warm JIT caches outside the timed region
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

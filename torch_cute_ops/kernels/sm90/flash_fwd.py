@@ -655,10 +655,11 @@ def launch(q, k, v, out, lse, softmax_scale: float, causal: bool) -> None:
 
 
 def _max_ctas(device_index: int, causal: bool, head_dim: int, seqlen_k: int) -> int:
-    """Persistent (one CTA per SM) for equal-length or short tiles. Long causal tiles get
-    one CTA each, so that the hardware hands the longest-first tiles to whichever SM
-    frees up (dynamic LPT, no atomics); measured on H200, it pays from ~8 key blocks."""
-    if causal and seqlen_k > _LPT_MIN_KEY_BLOCKS * config_for(head_dim).tile_n:
+    """Persistent (one CTA per SM) for equal-length tiles. Causal tiles get one CTA each,
+    so that the hardware hands the longest-first tiles to whichever SM frees up (dynamic
+    LPT, no atomics), except the tiny D=64 tiles of short sequences, where the launch of
+    a CTA per tile costs more than the static schedule's imbalance (measured on H200)."""
+    if causal and (head_dim > 64 or seqlen_k > _LPT_MIN_KEY_BLOCKS * config_for(head_dim).tile_n):
         return _ONE_CTA_PER_TILE
     return _num_sms(device_index)
 
