@@ -23,7 +23,6 @@ warpgroup owns 64 query rows of a ``tile_m = 64 * num_wg`` query block.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache, partial
 
@@ -53,7 +52,6 @@ from ..common.flash_common import (
 
 FAMILY_NAME = "flash_fwd_sm90"
 HEAD_DIMS = (64, 96, 128, 192, 256)
-DTYPES = ("bf16", "fp16")
 _CUTE_DTYPE = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
 # named barrier ids (0 is __syncthreads)
