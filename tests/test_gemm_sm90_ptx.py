@@ -11,6 +11,7 @@ pytest.importorskip("cutlass")
 from torch_cute_ops.kernels.common.compile_cache import compile_spec  # noqa: E402
 from torch_cute_ops.kernels.common.gemm_config import GemmConfig, choose_config  # noqa: E402
 from torch_cute_ops.kernels.common.tile_scheduler import PersistentTileScheduler  # noqa: E402
+from torch_cute_ops.kernels.common import gemm_host  # noqa: E402
 from torch_cute_ops.kernels.sm90 import gemm as sm90_gemm  # noqa: E402
 
 SHIPPED = sm90_gemm.shipped("sm_90a")
@@ -61,7 +62,7 @@ def _operand(batch, rows, cols, cols_major):
     (1000, 1, True, False), (1000, 1, False, False), (1, 1, True, True),
 ])
 def test_operand_majorness(rows, cols, cols_major, expect_cols_major):
-    view, got = sm90_gemm._operand_view(_operand(1, rows, cols, cols_major))
+    view, got = gemm_host.operand_view(_operand(1, rows, cols, cols_major))
     assert got == expect_cols_major
     # every stride the TMA sees is 16-byte aligned except the unit one
     unit = 2 if got else 1

@@ -38,11 +38,13 @@ def _validate_qkv(q, k, v) -> None:
         raise ValueError(f"q: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
 
 
-def _kernel_or_reason(op: str, named, q, k, v, causal):
+def _kernel_or_reason(op: str, q, k, v, causal, extra=()):
+    """The kernel module and None, or None and why no kernel covers the case. The kernel checks
+    q, k, v itself; ``extra`` names other inputs it reads through the TMA."""
     kernel = dispatch.kernel_for(op, q.device)
     if isinstance(kernel, str):
         return None, kernel
-    for name, t in named:
+    for name, t in extra:
         reason = checks.tma_reason(name, t, (3,))
         if reason:
             return None, reason
@@ -61,7 +63,7 @@ def _fwd_outputs_like(q):
 def _flash_attn_fwd(q, k, v, softmax_scale, causal):
     _validate_qkv(q, k, v)
     if q.is_cuda:
-        kernel, reason = _kernel_or_reason("flash_attn_fwd", (("q", q), ("k", k), ("v", v)), q, k, v, causal)
+        kernel, reason = _kernel_or_reason("flash_attn_fwd", q, k, v, causal)
         if reason is None:
             out, lse = _fwd_outputs_like(q)
             kernel.launch(q, k, v, out, lse, softmax_scale, causal)
@@ -117,8 +119,7 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal):
     if q.is_cuda:
         # the backward's autograd hands over whatever layout the loss produced
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-        named = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
-        kernel, reason = _kernel_or_reason("flash_attn_bwd", named, q, k, v, causal)
+        kernel, reason = _kernel_or_reason("flash_attn_bwd", q, k, v, causal, (("dout", dout), ("out", out)))
         if reason is None:
             dq = torch.empty_like(q, memory_format=torch.contiguous_format)
             dk = torch.empty_like(k, memory_format=torch.contiguous_format)

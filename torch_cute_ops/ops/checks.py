@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-TMA_ALIGN_BYTES = 16
+from ..kernels.common.tma import TMA_ALIGN_BYTES, tma_reason  # noqa: F401  (re-exported)
 
 
 def require_dtype(name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
@@ -47,30 +47,3 @@ def require_dim(name: str, t: torch.Tensor, dim: int, expected, what: str) -> No
     if t.shape[dim] != expected:
         raise ValueError(f"{name}: expected size {expected} at dim {dim} ({what}), "
                          f"got shape {tuple(t.shape)}")
-
-
-def tma_reason(name: str, t: torch.Tensor, contiguous_dims: Sequence[int]) -> str | None:
-    """Why a TMA cannot load ``t`` whose unit-stride dim is one of ``contiguous_dims``, or None.
-
-    The TMA needs one dim of stride 1, every other stride a multiple of 16 bytes, and a
-    16-byte-aligned base address. Sizes of 1 carry no stride constraint.
-    """
-    size = t.element_size()
-    unit = [d for d in contiguous_dims if t.stride(d) == 1 or t.shape[d] == 1]
-    if not unit:
-        dims = " or ".join(str(d) for d in contiguous_dims)
-        return (f"{name}: the TMA needs stride 1 on dim {dims}, got strides {tuple(t.stride())}")
-    unit_dim = unit[0]
-    for d in range(t.dim()):
-        if d != unit_dim and t.shape[d] > 1 and (t.stride(d) * size) % TMA_ALIGN_BYTES:
-            return (f"{name}: stride {t.stride(d)} of dim {d} is {t.stride(d) * size} bytes, the TMA "
-                    f"needs a multiple of {TMA_ALIGN_BYTES} bytes (pad the leading dimension)")
-    if not _is_fake(t) and t.data_ptr() % TMA_ALIGN_BYTES:
-        return f"{name}: data pointer is not {TMA_ALIGN_BYTES}-byte aligned (storage offset {t.storage_offset()})"
-    return None
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t) or t.device.type == "meta"

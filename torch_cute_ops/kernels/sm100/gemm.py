@@ -24,24 +24,22 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
-import torch
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
 from .. import KernelFamily
+from ..common import gemm_host
 from ..common.activation import apply_activation
 from ..common.compile_cache import KernelSpec, get_compiled
 from ..common.gemm_config import GemmConfig, choose_config
 from ..common.tile_scheduler import PersistentTileScheduler
-from ..sm90 import gemm as sm90_gemm  # host-side operand views and TMA checks are shared
 
 FAMILY_NAME = "gemm_sm100"
 ARCH = "sm_100a"
 
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _DSL_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
-TMA_ALIGN_BYTES = 16
+TMA_ALIGN_BYTES = gemm_host.TMA_ALIGN_BYTES
 
 # Warp roles; the epilogue warps must be warps 0-3 so that warp i reads TMEM lanes 32i..32i+31.
 EPILOGUE_WARPS = (0, 1, 2, 3)
@@ -613,25 +611,19 @@ FAMILY = KernelFamily(FAMILY_NAME, ARCH, shipped, build)
 
 # ---------------------------------------------------------------------- host API (op layer)
 def unsupported_reason(a, b, bias, activation, out_dtype) -> str | None:
-    """Why this kernel does not cover the case, or None. Launches nothing.
-
-    The TMA limits are those of the Hopper kernel (same operand views, same 16-byte rules).
-    """
-    reason = sm90_gemm.unsupported_reason(a, b, bias, activation, out_dtype)
-    return None if reason is None else reason.replace("sm90 gemm kernel", "sm100 gemm kernel")
+    """Why this kernel does not cover the case, or None. Launches nothing (same TMA rules as sm90)."""
+    return gemm_host.unsupported_reason("sm100 gemm kernel", a, b, bias, activation, out_dtype)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+_sm_count = gemm_host.sm_count
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(ab, out, a_major, b_major, has_bias, activation, m, n, k, batch, device_index, config=None):
+def _plan(ab, out, a_k_major, b_k_major, has_bias, activation, m, n, k, batch, device_index, config=None):
     """(compiled fn, max clusters) for one problem; cached so repeated calls skip the heuristic."""
     sm_count = _sm_count(device_index)
     config = config or choose_config(ARCH, m, n, k, batch, sm_count)
-    spec = make_spec(ab, out, has_bias, activation, a_major, b_major, config)
+    spec = make_spec(ab, out, has_bias, activation, "k" if a_k_major else "m", "k" if b_k_major else "n", config)
     return get_compiled(spec), sm_count // (config.cluster_m * config.cluster_n)
 
 
@@ -640,19 +632,4 @@ def launch(a, b, bias, activation, out, config: GemmConfig | None = None) -> Non
 
     a (L, M, K), b (L, K, N), bias (N,) or None, out (L, M, N) row-major, all on one device.
     """
-    if out.numel() == 0:
-        return
-    a_view, a_k_major = sm90_gemm._operand_view(a)
-    b_view, b_n_major = sm90_gemm._operand_view(b)
-    batch, m, k = a.shape
-    n = out.shape[2]
-    device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    fn, max_clusters = _plan(
-        _DTYPE_NAMES[a.dtype], _DTYPE_NAMES[out.dtype], "k" if a_k_major else "m",
-        "n" if b_n_major else "k", bias is not None, activation, m, n, k, batch, device_index, config,
-    )
-    out_view = sm90_gemm._out_view(out)
-    if bias is None:
-        fn(a_view, b_view, out_view, max_clusters)
-    else:
-        fn(a_view, b_view, bias, out_view, max_clusters)
+    gemm_host.launch(_plan, a, b, bias, activation, out, config)

@@ -37,11 +37,11 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-import torch
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from ..common.activation import ACTIVATIONS, apply_activation
+from ..common import gemm_host
+from ..common.activation import apply_activation
 from ..common.compile_cache import KernelSpec, get_compiled
 from ..common.gemm_config import GemmConfig, choose_config
 from ..common.tile_scheduler import PersistentTileScheduler
@@ -49,14 +49,11 @@ from ..common.tile_scheduler import PersistentTileScheduler
 ARCH = "sm_90a"
 FAMILY_NAME = "gemm_sm90"
 
-# torch dtype <-> spec string <-> DSL type
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# spec dtype string -> DSL type
 _DSL_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32}
-INPUT_DTYPES = (torch.bfloat16, torch.float16)
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 TILE_K = 64  # 128 bytes of 16-bit K per smem row: the 128B swizzle atom
-TMA_ALIGN_BYTES = 16
+TMA_ALIGN_BYTES = gemm_host.TMA_ALIGN_BYTES
 _SMEM_RESERVED_BYTES = 1024  # mbarriers and alignment slack
 _MAX_AB_STAGES = 8
 
@@ -502,132 +499,20 @@ FAMILY = _family()
 
 # ---- host API (called by the op layer) ---------------------------------------------------
 
-def _operand_view(t: torch.Tensor):
-    """(L, R, C) torch operand -> (same-shape view with TMA-friendly strides, C-is-contiguous).
-
-    For a (L, M, K), C-contiguous means K-major; for b (L, K, N) it means N-major. A
-    size-1 dim carries no stride information, so the majorness comes from a dim of
-    size > 1 with stride 1, and size-1 dims get aligned strides (a free as_strided
-    view; the values are never used for addressing) so the TMA accepts them.
-    """
-    batch, rows, cols = t.shape
-    s_batch, s_rows, s_cols = t.stride()
-    if cols > 1 and s_cols == 1:
-        cols_major = True
-    elif rows > 1 and s_rows == 1:
-        cols_major = False
-    else:  # no size>1 dim with stride 1: a size-1 dim can play the contiguous one
-        cols_major = cols == 1 or rows != 1
-    if cols_major:
-        s_cols = 1 if cols == 1 else s_cols
-        s_rows = _aligned(cols, t) if rows == 1 else s_rows
-    else:
-        s_rows = 1
-        s_cols = _aligned(rows, t) if cols == 1 else s_cols
-    if batch == 1:
-        s_batch = _aligned(rows * cols, t)
-    if (s_batch, s_rows, s_cols) != t.stride():
-        t = t.as_strided(t.shape, (s_batch, s_rows, s_cols))
-    return t, cols_major
-
-
-def _out_view(out: torch.Tensor) -> torch.Tensor:
-    """out (L, M, N) row-major, with aligned strides on size-1 dims (see _operand_view)."""
-    batch, rows, cols = out.shape
-    strides = (_aligned(rows * cols, out) if batch == 1 else out.stride(0),
-               _aligned(cols, out) if rows == 1 else out.stride(1), 1)
-    return out if strides == out.stride() else out.as_strided(out.shape, strides)
-
-
-def _aligned(extent: int, t: torch.Tensor) -> int:
-    per_16b = TMA_ALIGN_BYTES // t.element_size()
-    return max(-(-extent // per_16b) * per_16b, per_16b)
-
-
-def _stride_reason(name: str, t: torch.Tensor, unit_dim: int) -> str | None:
-    per_16b = TMA_ALIGN_BYTES // t.element_size()
-    for d in range(3):
-        if d != unit_dim and t.shape[d] > 1 and t.stride(d) % per_16b:
-            return f"{name}: stride {t.stride(d)} of dim {d} is not a multiple of 16 bytes (TMA)"
-    if t.data_ptr() % TMA_ALIGN_BYTES:
-        return f"{name}: data pointer is not 16-byte aligned (TMA)"
-    return None
-
-
 def unsupported_reason(a, b, bias, activation, out_dtype) -> str | None:
     """Why this kernel does not cover the case, or None. Launches nothing."""
-    if a.dtype not in INPUT_DTYPES:
-        return f"sm90 gemm kernel: inputs must be bf16 or fp16, got {a.dtype}"
-    if b.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
-        return "sm90 gemm kernel: a, b and bias must share one dtype"
-    out_dtype = a.dtype if out_dtype is None else out_dtype
-    if out_dtype not in OUT_DTYPES:
-        return f"sm90 gemm kernel: out dtype must be bf16, fp16 or fp32, got {out_dtype}"
-    if activation is not None and activation not in ACTIVATIONS:
-        return f"sm90 gemm kernel: activation {activation!r} is not one of {ACTIVATIONS}"
-    if a.dim() != 3 or b.dim() != 3:
-        return "sm90 gemm kernel: expects (L, M, K) and (L, K, N) operands"
-    for name, t in (("a", a), ("b", b)):
-        view, cols_major = _operand_view(t)
-        unit_dim = 2 if cols_major else 1
-        if view.stride(unit_dim) != 1:
-            return f"{name}: the TMA needs stride 1 on one of its last two dims, got strides {tuple(t.stride())}"
-        reason = _stride_reason(name, view, unit_dim)
-        if reason:
-            return reason
-    batch, m, k = a.shape
-    n = b.shape[2]
-    if k == 0:
-        return "sm90 gemm kernel: K == 0 (the TMA needs non-empty operands)"
-    out_bytes = out_dtype.itemsize
-    if m > 1 and (n * out_bytes) % TMA_ALIGN_BYTES or batch > 1 and (m * n * out_bytes) % TMA_ALIGN_BYTES:
-        return f"out: rows of N={n} {out_dtype} elements are not a multiple of 16 bytes (TMA store)"
-    if bias is not None and (bias.dim() != 1 or bias.stride(0) != 1 and bias.shape[0] > 1):
-        return "bias: must be a contiguous (N,) vector"
-    if bias is not None and bias.data_ptr() % TMA_ALIGN_BYTES:
-        return "bias: data pointer is not 16-byte aligned (the kernel assumes it)"
-    if max(batch, m, n, k) >= 2**31:
-        return "sm90 gemm kernel: sizes must fit in int32"
-    return None
-
-
-@functools.cache
-def _max_clusters(device_index: int, cluster_size: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count // cluster_size
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return gemm_host.unsupported_reason("sm90 gemm kernel", a, b, bias, activation, out_dtype)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(ab, out, a_k_major, b_k_major, has_bias, activation, m, n, k, batch, device_index):
+def _plan(ab, out, a_k_major, b_k_major, has_bias, activation, m, n, k, batch, device_index, config=None):
     """(compiled fn, max clusters) for one problem; cached so repeated calls skip the heuristic."""
-    config = choose_config(ARCH, m, n, k, batch, _sm_count(device_index))
+    sm_count = gemm_host.sm_count(device_index)
+    config = config or choose_config(ARCH, m, n, k, batch, sm_count)
     spec = _spec(ab, out, a_k_major, b_k_major, has_bias, activation, config)
-    return get_compiled(spec), _max_clusters(device_index, config.cluster_m * config.cluster_n)
+    return get_compiled(spec), sm_count // (config.cluster_m * config.cluster_n)
 
 
 def launch(a, b, bias, activation, out, config: GemmConfig | None = None) -> None:
     """out[l] = act(a[l] @ b[l] + bias) on the current stream. ``config`` overrides the heuristic."""
-    if out.numel() == 0:
-        return
-    a_view, a_k_major = _operand_view(a)
-    b_view, b_n_major = _operand_view(b)
-    _, m, k = a.shape
-    batch, _, n = out.shape
-    device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    ab = _DTYPE_NAMES[a.dtype]
-    out_name = _DTYPE_NAMES[out.dtype]
-    if config is None:
-        fn, max_clusters = _plan(ab, out_name, a_k_major, not b_n_major, bias is not None, activation,
-                                 m, n, k, batch, device_index)
-    else:
-        fn = get_compiled(_spec(ab, out_name, a_k_major, not b_n_major, bias is not None, activation, config))
-        max_clusters = _max_clusters(device_index, config.cluster_m * config.cluster_n)
-    out = _out_view(out)
-    if bias is None:
-        fn(a_view, b_view, out, max_clusters)
-    else:
-        fn(a_view, b_view, bias, out, max_clusters)
+    gemm_host.launch(_plan, a, b, bias, activation, out, config)
