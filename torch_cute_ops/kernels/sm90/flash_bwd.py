@@ -458,11 +458,11 @@ class FlashBwdSm90:
         lookahead = self.num_stages > 1
         num_m = m_block_max - m_block_min
         num_blocks = group * num_m
-        issue_s = lambda head, m_block: self._issue_s(
-            pipe_q, state_q_next, mma_sdp, acc_S, tSrQ, tSrK, mLSE[batch, head, None],
-            mDelta[batch, head, None], tScS, m_block, seqlen_q, row_lse, row_delta)
+        # (no closure over the pipeline state here: the loop rebinds it, a closure would not see it)
+        stats = (tScS, seqlen_q, row_lse, row_delta)
         if const_expr(lookahead):
-            issue_s(kv_head * group, m_block_min)
+            self._issue_s(pipe_q, state_q_next, mma_sdp, acc_S, tSrQ, tSrK, mLSE, mDelta, batch,
+                          kv_head * group, m_block_min, *stats)
             state_q_next.advance()
         for block in cutlass.range(num_blocks, unroll=1):
             head = kv_head * group + block // num_m
@@ -470,7 +470,8 @@ class FlashBwdSm90:
             q_idx, do_idx = state_q.index, state_do.index
             pds_idx = q_idx if const_expr(self.num_stages == 2) else 0
             if const_expr(not lookahead):
-                issue_s(head, m_block)
+                self._issue_s(pipe_q, state_q_next, mma_sdp, acc_S, tSrQ, tSrK, mLSE, mDelta,
+                              batch, head, m_block, *stats)
                 state_q_next.advance()
             # dP = dO V^T joins S = Q K^T
             pipe_do.consumer_wait(state_do)
@@ -514,8 +515,9 @@ class FlashBwdSm90:
             if const_expr(lookahead):
                 has_next = block + 1 < num_blocks
                 if has_next:
-                    issue_s(kv_head * group + (block + 1) // num_m,
-                            m_block_min + (block + 1) % num_m)
+                    self._issue_s(pipe_q, state_q_next, mma_sdp, acc_S, tSrQ, tSrK, mLSE, mDelta,
+                                  batch, kv_head * group + (block + 1) // num_m,
+                                  m_block_min + (block + 1) % num_m, *stats)
                     warpgroup.wait_group(2)
                 else:
                     warpgroup.wait_group(1)
@@ -543,12 +545,13 @@ class FlashBwdSm90:
                         mdK, mdV, tidx, n_block, kv_head, batch)
 
     @cute.jit
-    def _issue_s(self, pipe_q, state_q, mma_sdp, acc_S, tSrQ, tSrK, mLSE_bh, mDelta_bh, tScS,
-                 m_block, seqlen_q, row_lse, row_delta):
+    def _issue_s(self, pipe_q, state_q, mma_sdp, acc_S, tSrQ, tSrK, mLSE, mDelta, batch, head,
+                 m_block, tScS, seqlen_q, row_lse, row_delta):
         """Issue S = Q K^T for a query block and fetch its rows' lse and delta meanwhile."""
         pipe_q.consumer_wait(state_q)
         _wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state_q.index], tSrK, True)
-        self._row_stats(mLSE_bh, mDelta_bh, tScS, m_block, seqlen_q, row_lse, row_delta)
+        self._row_stats(mLSE[batch, head, None], mDelta[batch, head, None], tScS, m_block,
+                        seqlen_q, row_lse, row_delta)
 
     @cute.jit
     def _reduce_dq(self, acc_dQ, tdQsdQ, tma_dQ, sdQ_wg, gdQ, softmax_scale, wg_idx, warp_in_wg):
