@@ -441,38 +441,30 @@ class FlashBwdSm90:
         tdQsdQ = mma_dq.get_slice(tidx).partition_C(cute.group_modes(sdQ, 1, 3))
         sdQ_wg = cute.group_modes(sdQ[None, None, wg_idx], 0, 2)
 
-        # lse * log2(e) and delta of this thread's rows, fetched one block ahead
+        # lse * log2(e) and delta of this thread's rows
         row_lse = cute.make_rmem_tensor((cute.size(tScS, mode=[0]),), Float32)
         row_delta = cute.make_rmem_tensor((cute.size(tScS, mode=[0]),), Float32)
 
         consumer = pipeline.PipelineUserType.Consumer
         pipe_kv.consumer_wait(pipeline.make_pipeline_state(consumer, 1))
-        state_q = pipeline.make_pipeline_state(consumer, self.num_stages)  # block in work
-        state_q_next = pipeline.make_pipeline_state(consumer, self.num_stages)  # S issued ahead
+        state_q = pipeline.make_pipeline_state(consumer, self.num_stages)
         state_do = pipeline.make_pipeline_state(consumer, self.num_stages)
         offset = seqlen_k - seqlen_q
         last_key = n_block * self.tile_n + self.tile_n - 1
-        # One flat loop over (query head of the group, query block); never empty, as every
-        # key block is seen by the last query row. With two Q stages the next block's
-        # S = Q K^T is issued before this block's dQ store, to keep the tensor cores busy.
-        lookahead = self.num_stages > 1
+        # One flat loop over (query head of the group, query block). Every WGMMA group is
+        # waited for inside its iteration: a WGMMA left in flight across the loop's back edge
+        # (issuing the next S early) makes ptxas serialize all of them (C7515), -20% at 16k.
         num_m = m_block_max - m_block_min
-        num_blocks = group * num_m
-        # (no closure over the pipeline state here: the loop rebinds it, a closure would not see it)
-        stats = (tScS, seqlen_q, row_lse, row_delta)
-        if const_expr(lookahead):
-            self._issue_s(pipe_q, state_q_next, mma_sdp, acc_S, tSrQ, tSrK, mLSE, mDelta, batch,
-                          kv_head * group, m_block_min, *stats)
-            state_q_next.advance()
-        for block in cutlass.range(num_blocks, unroll=1):
+        for block in cutlass.range(group * num_m, unroll=1):
             head = kv_head * group + block // num_m
             m_block = m_block_min + block % num_m
             q_idx, do_idx = state_q.index, state_do.index
             pds_idx = q_idx if const_expr(self.num_stages == 2) else 0
-            if const_expr(not lookahead):
-                self._issue_s(pipe_q, state_q_next, mma_sdp, acc_S, tSrQ, tSrK, mLSE, mDelta,
-                              batch, head, m_block, *stats)
-                state_q_next.advance()
+            # S = Q K^T in flight while lse and delta load
+            pipe_q.consumer_wait(state_q)
+            _wgmma(mma_sdp, acc_S, tSrQ[None, None, None, q_idx], tSrK, True)
+            self._row_stats(mLSE[batch, head, None], mDelta[batch, head, None], tScS, m_block,
+                            seqlen_q, row_lse, row_delta)
             # dP = dO V^T joins S = Q K^T
             pipe_do.consumer_wait(state_do)
             _wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, do_idx], tdPrV, True)
@@ -511,31 +503,13 @@ class FlashBwdSm90:
             _wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, True)
             _wgmma(mma_dk, acc_dK, tdKrdSt[None, None, None, pds_idx],
                    tdKrQt[None, None, None, q_idx], False)
-            # wait for dV and dQ; with the look-ahead, the next S is one more group in flight
-            if const_expr(lookahead):
-                has_next = block + 1 < num_blocks
-                if has_next:
-                    self._issue_s(pipe_q, state_q_next, mma_sdp, acc_S, tSrQ, tSrK, mLSE, mDelta,
-                                  batch, kv_head * group + (block + 1) // num_m,
-                                  m_block_min + (block + 1) % num_m, *stats)
-                    warpgroup.wait_group(2)
-                else:
-                    warpgroup.wait_group(1)
-                state_q_next.advance()  # past the end on the last block: unused then
-            else:
-                warpgroup.wait_group(1)
+            warpgroup.wait_group(1)  # dV and dQ done, dK still running
             pipe_do.consumer_release(state_do)
             state_do.advance()
             gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.dq_cols),
                                   (m_block, wg_idx))
             self._reduce_dq(acc_dQ, tdQsdQ, tma_dQ, sdQ_wg, gdQ, softmax_scale, wg_idx, warp_in_wg)
-            if const_expr(lookahead):
-                if has_next:
-                    warpgroup.wait_group(1)
-                else:
-                    warpgroup.wait_group(0)
-            else:
-                warpgroup.wait_group(0)
+            warpgroup.wait_group(0)
             pipe_q.consumer_release(state_q)
             state_q.advance()
 
@@ -543,15 +517,6 @@ class FlashBwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self._store_dkv(acc_dK, acc_dV, softmax_scale, mma_dk, sK, sV, tma_dK, tma_dV,
                         mdK, mdV, tidx, n_block, kv_head, batch)
-
-    @cute.jit
-    def _issue_s(self, pipe_q, state_q, mma_sdp, acc_S, tSrQ, tSrK, mLSE, mDelta, batch, head,
-                 m_block, tScS, seqlen_q, row_lse, row_delta):
-        """Issue S = Q K^T for a query block and fetch its rows' lse and delta meanwhile."""
-        pipe_q.consumer_wait(state_q)
-        _wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state_q.index], tSrK, True)
-        self._row_stats(mLSE[batch, head, None], mDelta[batch, head, None], tScS, m_block,
-                        seqlen_q, row_lse, row_delta)
 
     @cute.jit
     def _reduce_dq(self, acc_dQ, tdQsdQ, tma_dQ, sdQ_wg, gdQ, softmax_scale, wg_idx, warp_in_wg):
