@@ -11,7 +11,8 @@ One compiled function runs three kernels on the current stream:
    * warpgroups 1-2 (240 registers): recompute ``S = Q K^T`` and ``dP = dO V^T``
      with WGMMA, ``P = exp2(S * scale * log2 e - lse * log2 e)``, ``dS = P (dP - delta)``,
      then ``dV += P^T dO``, ``dK += dS^T Q`` (fp32 accumulators in registers for the
-     whole CTA) and ``dQ = dS K``. Each warpgroup writes its half of the dQ tile to
+     whole CTA) and ``dQ = dS K``. P and dS reach the second GEMMs through smem
+     (stmatrix; one buffer per Q stage). Each warpgroup writes its half of the dQ tile to
      smem and adds it to the fp32 accumulator in global memory with one TMA
      reduce-add (``cp.reduce.async.bulk.tensor``). Causal blocks above the diagonal
      are never loaded nor computed;
