@@ -27,7 +27,7 @@ ANCHOR_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 8192, 1024), (16
                  (4096, 14336, 4096), (1024, 4096, 4096)]
 LLM_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (12288, 4096)]
 LLM_SHAPES = [(m, n, k) for m in (1024, 4096, 16384) for n, k in LLM_NK]
-FUSED_SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (16384, 4096, 4096)]
+FUSED_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 14336, 4096), (16384, 4096, 4096)]
 
 
 def tflops(m, n, k, ms):
@@ -135,6 +135,7 @@ def host_overhead(calls=2000):
     """Eager per-call wall time at 64x64x64, where the launch path dominates."""
     import torch_cute_ops  # noqa: F401  registers torch.ops.cute
     from torch_cute_ops.kernels.sm90 import gemm as sm90_gemm
+    from torch_cute_ops.ops import gemm as gemm_op
 
     a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1, 64, 64, device="cuda", dtype=torch.bfloat16)
@@ -142,6 +143,8 @@ def host_overhead(calls=2000):
     fns = {
         "torch.matmul": lambda: torch.matmul(a, a),
         "cute.gemm op": lambda: torch.ops.cute.gemm(a, a),
+        "op impl, no dispatcher": lambda: gemm_op._gemm(a, a),
+        "unsupported_reason()": lambda: sm90_gemm.unsupported_reason(a3, a3, None, None, None),
         "kernel launch()": lambda: sm90_gemm.launch(a3, a3, None, None, out),
     }
     timings = {}

@@ -59,7 +59,7 @@ def test_misaligned_operand_falls_back_or_names_the_argument_in_strict_mode(monk
     out = tco.gemm(odd, b)
     assert torch.isfinite(out).all()
     monkeypatch.setenv("TORCH_CUTE_OPS_STRICT", "1")
-    with pytest.raises(tco.FallbackError, match=r"a: stride 17 of dim 0 is 34 bytes"):
+    with pytest.raises(tco.FallbackError, match=r"a: stride 17 of dim \d is 34 bytes"):
         tco.gemm(odd, b)
 
 
