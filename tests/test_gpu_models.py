@@ -52,12 +52,13 @@ def test_llama_loss_and_gradients_match_pytorch_sdpa(compiled):
 
 
 def train(model, steps, override):
+    """Fit two fixed batches (random tokens carry nothing else to learn), compiled, AdamW."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step_fn = torch.compile(model)
     losses = []
     with tco.sdpa_override() if override else contextlib.nullcontext():
         for step in range(steps):
-            ids = batch(step)
+            ids = batch(step % 2)
             loss = step_fn(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
@@ -72,6 +73,6 @@ def test_training_tracks_pytorch_sdpa_loss_curve():
     ref = train(copy.deepcopy(base), 50, override=False)
     torch._dynamo.reset()
     ours = train(copy.deepcopy(base), 50, override=True)
-    assert ours[-1] < ours[0] - 0.5, "did not train"
-    worst = max(abs(a - b) / b for a, b in zip(ours, ref))
-    assert worst < 0.03, f"loss curves diverge by {worst:.3f}: {ours[::10]} vs {ref[::10]}"
+    assert ref[-1] < ref[0] - 1.0 and ours[-1] < ours[0] - 1.0, f"did not train: {ours[::10]}"
+    worst = max(abs(a - b) - 0.03 * b for a, b in zip(ours, ref))
+    assert worst < 0.05, f"loss curves diverge: {ours[::10]} vs {ref[::10]}"
