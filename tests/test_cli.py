@@ -48,7 +48,7 @@ def test_compile_command_writes_one_ptx_per_variant(arch, tmp_path):
         ptx = (tmp_path / f"{spec.name}.ptx").read_text()
         assert f".target {arch}" in ptx
         assert (tmp_path / f"{spec.name}.cubin").exists()
-        assert spec.name[:72] in proc.stdout
+        assert spec.name in proc.stdout
         counts = count_instructions(ptx)
         assert counts["cp.async.bulk.tensor"] > 0
         if arch == "sm_90a":
