@@ -104,6 +104,24 @@ def test_compiled_block_without_recompiles_on_cuda():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
 
 
+def test_max_autotune_compile_of_a_gemm_model_with_backward():
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(approximate="tanh"),
+                                torch.nn.Linear(512, 256)).to(DEV, torch.bfloat16)
+
+    def forward(x):
+        hidden = tco.gemm(x, model[0].weight.T, model[0].bias, "gelu_tanh")
+        return tco.linear(hidden, model[2].weight, model[2].bias)
+
+    compiled = torch.compile(forward, fullgraph=True, mode="max-autotune-no-cudagraphs")
+    x = randn(384, 256).requires_grad_()
+    out = compiled(x)
+    assert rel_err(out, model(x).detach()) < 2e-2
+    (grad,) = torch.autograd.grad(out.float().square().sum(), x)
+    (want,) = torch.autograd.grad(model(x).float().square().sum(), x)
+    assert rel_err(grad, want) < 3e-2
+
+
 def test_cuda_graph_capture_and_replay():
     a, b, bias = randn(512, 256), randn(256, 384), randn(384)
     q, k, v = randn(2, 256, 4, 64), randn(2, 256, 4, 64), randn(2, 256, 4, 64)
