@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import torch_cute_ops as tco
-from torch_cute_ops.ops import checks
+from torch_cute_ops.kernels.common.tma import tma_reason
 
 
 def r(*shape, dtype=torch.float32):
@@ -86,21 +86,21 @@ def test_linear_rejects():
 
 def test_tma_reason_names_misaligned_leading_stride():
     a = torch.empty(8, 17, dtype=torch.bfloat16)  # 34-byte rows
-    msg = checks.tma_reason("a", a, (1,))
+    msg = tma_reason("a", a, (1,))
     assert msg.startswith("a: stride 17 of dim 0 is 34 bytes, the TMA needs a multiple of 16 bytes")
 
 
 def test_tma_reason_names_missing_unit_stride():
-    msg = checks.tma_reason("q", torch.empty(4, 8, 16)[..., ::2], (2,))
+    msg = tma_reason("q", torch.empty(4, 8, 16)[..., ::2], (2,))
     assert msg.startswith("q: the TMA needs stride 1 on dim 2")
 
 
 def test_tma_reason_names_misaligned_pointer():
     base = torch.empty(64, 32, dtype=torch.float16)
-    assert checks.tma_reason("b", base[:, 1:9], (1,)).startswith("b: data pointer is not 16-byte aligned")
+    assert tma_reason("b", base[:, 1:9], (1,)).startswith("b: data pointer is not 16-byte aligned")
 
 
 def test_tma_reason_accepts_padded_and_transposed_views():
     padded = torch.empty(8, 24, dtype=torch.bfloat16)[:, :17]  # K=17 with a 48-byte leading stride
-    assert checks.tma_reason("a", padded, (0, 1)) is None
-    assert checks.tma_reason("a", torch.empty(24, 8, dtype=torch.bfloat16).mT, (0, 1)) is None
+    assert tma_reason("a", padded, (0, 1)) is None
+    assert tma_reason("a", torch.empty(24, 8, dtype=torch.bfloat16).mT, (0, 1)) is None

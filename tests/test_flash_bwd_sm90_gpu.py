@@ -1,7 +1,6 @@
 """GPU tests of the sm_90a attention backward against a float32 autograd reference.
 
-Run as a script (``python tests/test_flash_bwd_sm90_gpu.py``) it times the kernel
-against PyTorch SDPA (cuDNN, flash) and FlashAttention-4's CuTe backward when present.
+Speed is measured by ``bench/bench_attention.py --backward``.
 """
 
 from __future__ import annotations
@@ -137,84 +136,3 @@ def test_flash_bwd_matches_fp32_reference(case):
             assert err <= max(2 * sdpa_err, 2e-3), f"{name}: {err:.3e} vs {backend} {sdpa_err:.3e}"
     if causal and seqlen_q > seqlen_k:  # the first rows attend to nothing: zero gradient
         assert ours[0][:, : seqlen_q - seqlen_k].abs().max().item() == 0.0
-
-
-def _lse_by_chunks(q, k, scale, causal, chunk=1024):
-    """fp32 log-sum-exp (B, H, S_q) without an S_q x S_k buffer (equal heads only)."""
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    lse = torch.empty(q.shape[0], q.shape[2], seqlen_q, device=q.device, dtype=torch.float32)
-    cols = torch.arange(seqlen_k, device=q.device)[None, :]
-    for start in range(0, seqlen_q, chunk):
-        scores = torch.einsum("bqhd,bkhd->bhqk", q[:, start:start + chunk].float(), k.float()) * scale
-        if causal:
-            rows = torch.arange(start, start + scores.shape[2], device=q.device)[:, None]
-            scores = scores.masked_fill(cols > rows + (seqlen_k - seqlen_q), -math.inf)
-        lse[:, :, start:start + chunk] = torch.logsumexp(scores, dim=-1)
-    return lse
-
-
-def _bench():
-    import triton.testing
-
-    from torch_cute_ops.kernels.sm90 import flash_bwd
-
-    try:
-        from flash_attn.cute.interface import flash_attn_func as fa4
-    except Exception:  # noqa: BLE001 - the anchor is optional
-        fa4 = None
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    import torch.nn.functional as F
-
-    shapes = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128), (2, 8192, 32, 64),
-              (2, 8192, 8, 256)]
-    print(f"{torch.cuda.get_device_name()} bf16 attention backward TFLOP/s (2.5x fwd flops)")
-    print("| B S H D causal | ours | cuDNN | SDPA flash | FA4 | ours/cuDNN |", flush=True)
-    for batch, seqlen, heads, head_dim in shapes:
-        for causal in (False, True):
-            q, k, v, dout = _make_inputs(batch, seqlen, seqlen, heads, heads, head_dim, torch.bfloat16)
-            scale = head_dim ** -0.5
-            flops = 2.5 * 4 * batch * seqlen * seqlen * heads * head_dim / (2 if causal else 1)
-            tflops = lambda ms: flops / ms / 1e9
-            qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                out_t = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
-            out = out_t.detach().transpose(1, 2)
-            lse = _lse_by_chunks(q, k, scale, causal)
-            grads = [torch.empty_like(t) for t in (q, k, v)]
-            timings = {}
-            timings["ours"] = triton.testing.do_bench(
-                lambda: flash_bwd.launch(dout, q, k, v, out, lse, *grads, scale, causal),
-                warmup=25, rep=100, return_mode="median")
-            douts = dout.transpose(1, 2)
-            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
-                                  ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
-                try:
-                    with sdpa_kernel(backend):
-                        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
-                    timings[name] = triton.testing.do_bench(
-                        lambda: torch.autograd.grad(o, (qt, kt, vt), douts, retain_graph=True),
-                        warmup=25, rep=100, return_mode="median")
-                except RuntimeError:
-                    pass
-            if fa4 is not None:
-                try:
-                    qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
-                    o = fa4(qf, kf, vf, softmax_scale=scale, causal=causal)
-                    o = o[0] if isinstance(o, tuple) else o
-                    timings["fa4"] = triton.testing.do_bench(
-                        lambda: torch.autograd.grad(o, (qf, kf, vf), dout, retain_graph=True),
-                        warmup=25, rep=100, return_mode="median")
-                except Exception as err:  # noqa: BLE001
-                    print("fa4 failed:", type(err).__name__, str(err)[:200])
-            t = {n: tflops(ms) for n, ms in timings.items()}
-            cell = lambda n: f"{t[n]:.0f}" if n in t else "-"
-            ratio = f"{t['ours'] / t['cudnn']:.2f}" if "cudnn" in t else "-"
-            print(f"| B{batch} S{seqlen} H{heads} D{head_dim} {'causal' if causal else 'full'} | "
-                  f"{cell('ours')} | {cell('cudnn')} | {cell('sdpa_flash')} | {cell('fa4')} | "
-                  f"{ratio} |", flush=True)
-            del q, k, v, dout, qt, kt, vt, out_t, out, grads
-            torch.cuda.empty_cache()
-
-
-if __name__ == "__main__":
-    _bench()

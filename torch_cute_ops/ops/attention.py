@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.common.tma import tma_reason
 from ..reference import attention as reference
 from . import checks, dispatch, fallback
 from .schemas import lib, qualname, register_impl
@@ -45,7 +46,7 @@ def _kernel_or_reason(op: str, q, k, v, causal, extra=()):
     if isinstance(kernel, str):
         return None, kernel
     for name, t in extra:
-        reason = checks.tma_reason(name, t, (3,))
+        reason = tma_reason(name, t, (3,))
         if reason:
             return None, reason
     return kernel, kernel.unsupported_reason(q, k, v, causal)

@@ -4,9 +4,10 @@ Two kinds of checks:
 
 * ``require_*``: the inputs are invalid for the op itself (wrong dtype, rank, shape, mixed
   devices). They raise before anything launches, on every device and under fake tensors.
-* ``tma_reason``: the inputs are valid but a TMA-based kernel cannot address them (a leading
-  stride that is not 16-byte aligned, a misaligned base pointer). The op then falls back to
-  the reference (``fallback.note``), which strict mode turns into an error with this text.
+* ``kernels.common.tma.tma_reason`` (used by the kernels' ``unsupported_reason``): the inputs
+  are valid but a TMA-based kernel cannot address them (a leading stride that is not 16-byte
+  aligned, a misaligned base pointer). The op then falls back to the reference
+  (``fallback.note``), which strict mode turns into an error with that text.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-
-from ..kernels.common.tma import TMA_ALIGN_BYTES, tma_reason  # noqa: F401  (re-exported)
 
 
 def require_dtype(name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:

@@ -100,16 +100,16 @@ def _layout_reason(kernel, a_dtype, a_shape, a_stride, b_dtype, b_shape, b_strid
         return f"{kernel}: activation {activation!r} is not one of {ACTIVATIONS}"
     if len(a_shape) != 3 or len(b_shape) != 3:
         return f"{kernel}: expects (L, M, K) and (L, K, N) operands"
+    batch, m, k = a_shape
+    n = b_shape[2]
+    if k == 0:
+        return f"{kernel}: K == 0 (the TMA needs non-empty operands)"
     for name, dtype, shape, stride in (("a", a_dtype, a_shape, a_stride), ("b", b_dtype, b_shape, b_stride)):
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         view, cols_major = operand_view(meta)
         reason = tma_reason(name, view, (2 if cols_major else 1,))
         if reason:
             return reason
-    batch, m, k = a_shape
-    n = b_shape[2]
-    if k == 0:
-        return f"{kernel}: K == 0 (the TMA needs non-empty operands)"
     out_bytes = out_dtype.itemsize
     if m > 1 and (n * out_bytes) % TMA_ALIGN_BYTES or batch > 1 and (m * n * out_bytes) % TMA_ALIGN_BYTES:
         return f"out: rows of N={n} {out_dtype} elements are not a multiple of 16 bytes (TMA store)"

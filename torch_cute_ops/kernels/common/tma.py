@@ -12,8 +12,9 @@ TMA_ALIGN_BYTES = 16
 def tma_reason(name: str, t: torch.Tensor, contiguous_dims: Sequence[int]) -> str | None:
     """Why a TMA cannot address ``t`` whose unit-stride dim is one of ``contiguous_dims``, or None.
 
-    The TMA needs one dim of stride 1, every other stride a multiple of 16 bytes, and a
-    16-byte-aligned base address. Sizes of 1 carry no stride constraint.
+    The TMA needs one dim of stride 1, every other stride a multiple of 16 bytes (size-1 dims
+    too: the tensor map encodes every stride), and a 16-byte-aligned base address. Kernels that
+    take views with odd strides on size-1 dims normalise them first (``gemm_host.operand_view``).
     """
     size = t.element_size()
     unit = [d for d in contiguous_dims if t.stride(d) == 1 or t.shape[d] == 1]
@@ -21,8 +22,8 @@ def tma_reason(name: str, t: torch.Tensor, contiguous_dims: Sequence[int]) -> st
         dims = " or ".join(str(d) for d in contiguous_dims)
         return f"{name}: the TMA needs stride 1 on dim {dims}, got strides {tuple(t.stride())}"
     unit_dim = unit[0]
-    for d, (extent, stride) in enumerate(zip(t.shape, t.stride())):
-        if d != unit_dim and extent > 1 and (stride * size) % TMA_ALIGN_BYTES:
+    for d, stride in enumerate(t.stride()):
+        if d != unit_dim and (stride * size) % TMA_ALIGN_BYTES:
             return (f"{name}: stride {stride} of dim {d} is {stride * size} bytes, the TMA "
                     f"needs a multiple of {TMA_ALIGN_BYTES} bytes (pad the leading dimension)")
     if t.device.type != "meta" and t.data_ptr() % TMA_ALIGN_BYTES:

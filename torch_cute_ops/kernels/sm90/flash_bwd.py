@@ -29,16 +29,18 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from .. import KernelFamily
 from ..common.compile_cache import KernelSpec, get_compiled
+from ..common.tma import tma_reason
 from ..common.flash_common import LOG2_E, acc_as_rows_cols, convert_to_16bit, mask_scores
 
 FAMILY_NAME = "flash_bwd_sm90"
@@ -611,16 +613,14 @@ def shipped(arch: str):
 
 FAMILY = KernelFamily(FAMILY_NAME, "sm_90a", shipped, build)
 
-_TORCH_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _compiled: dict[tuple, object] = {}
 
 
 def unsupported_reason(q, k, v, causal: bool) -> str | None:
-    import torch
-
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "flash_bwd_sm90 needs a Hopper (sm_90) GPU"
-    if str(q.dtype) not in _TORCH_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    """Why this kernel does not cover the case, or None. The op layer has chosen it for an sm_90
+    device, validated the shapes and checks dout and out (loaded like q) itself."""
+    if q.dtype not in _DTYPE_NAMES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"flash_bwd_sm90 supports bf16/fp16 q, k, v, got {q.dtype}/{k.dtype}/{v.dtype}"
     head_dim = q.shape[-1]
     if head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
@@ -630,21 +630,19 @@ def unsupported_reason(q, k, v, causal: bool) -> str | None:
         return "flash_bwd_sm90 needs non-empty batch and sequences"
     if q.shape[2] % k.shape[2] != 0:
         return "flash_bwd_sm90 needs H_q to be a multiple of H_kv"
-    for t in (q, k, v):
-        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return "flash_bwd_sm90 (TMA) needs unit last stride, other strides multiple of 8 " \
-                   "elements and 16-byte aligned data"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        reason = tma_reason(name, t, (3,))
+        if reason:
+            return reason
     return None
 
 
 def launch(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool) -> None:
     """Write dq, dk, dv (preallocated) for the attention that produced out and lse."""
-    import torch
-
     key = (q.dtype, q.shape[-1], bool(causal))
     fn = _compiled.get(key)
     if fn is None:
-        fn = _compiled[key] = get_compiled(_spec(_TORCH_DTYPES[str(q.dtype)], q.shape[-1], causal))
+        fn = _compiled[key] = get_compiled(_spec(_DTYPE_NAMES[q.dtype], q.shape[-1], causal))
     batch, seqlen_q, heads, head_dim = q.shape
     delta = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     dq_accum = torch.empty((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)

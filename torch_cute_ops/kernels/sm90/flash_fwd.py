@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache, partial
 
 import cuda.bindings.driver as cuda
+import torch
 
 import cutlass
 import cutlass.cute as cute
@@ -38,6 +39,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .. import KernelFamily
 from ..common.compile_cache import KernelSpec, get_compiled
+from ..common.tma import tma_reason
 from ..common.flash_common import (
     LOG2_E,
     AttentionTileScheduler,
@@ -592,21 +594,11 @@ FAMILY = KernelFamily(name=FAMILY_NAME, arch="sm_90a", shipped=shipped, build=bu
 
 # ------------------------------------------------------------------ host API
 
-_TORCH_DTYPE_NAME = {}
-
-
-def _dtype_name(torch_dtype) -> str | None:
-    if not _TORCH_DTYPE_NAME:
-        import torch
-
-        _TORCH_DTYPE_NAME.update({torch.bfloat16: "bf16", torch.float16: "fp16"})
-    return _TORCH_DTYPE_NAME.get(torch_dtype)
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
-    import torch
-
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -616,13 +608,9 @@ def _compiled(dtype: str, head_dim: int, causal: bool):
 
 
 def unsupported_reason(q, k, v, causal: bool) -> str | None:
-    """Why this kernel does not cover the case, or None when it does."""
-    import torch
-
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "flash_fwd_sm90 needs an sm_90 GPU"
-    dtype = _dtype_name(q.dtype)
-    if dtype is None or k.dtype != q.dtype or v.dtype != q.dtype:
+    """Why this kernel does not cover the case, or None when it does. The op layer has chosen
+    it for an sm_90 device and validated the shapes."""
+    if q.dtype not in _DTYPE_NAMES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"flash_fwd_sm90 supports bf16/fp16 q, k, v of one dtype, got {q.dtype}/{k.dtype}/{v.dtype}"
     head_dim = q.shape[-1]
     if head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
@@ -630,10 +618,9 @@ def unsupported_reason(q, k, v, causal: bool) -> str | None:
     if q.shape[2] % k.shape[2] != 0:
         return "flash_fwd_sm90 needs num_heads_q to be a multiple of num_heads_kv"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            return f"flash_fwd_sm90 needs {name}'s last dim contiguous"
-        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
-            return f"flash_fwd_sm90 needs {name} 16-byte aligned with strides that are multiples of 8"
+        reason = tma_reason(name, t, (3,))
+        if reason:
+            return reason
     if max(q.shape[1], k.shape[1]) >= 2**31 or q.shape[0] * q.shape[2] >= 2**31:
         return "flash_fwd_sm90 indexes sizes with 32-bit integers"
     return None
@@ -647,7 +634,7 @@ def launch(q, k, v, out, lse, softmax_scale: float, causal: bool) -> None:
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    fn = _compiled(_dtype_name(q.dtype), q.shape[-1], bool(causal))
+    fn = _compiled(_DTYPE_NAMES[q.dtype], q.shape[-1], bool(causal))
     max_ctas = _max_ctas(q.device.index or 0, causal, q.shape[-1], k.shape[1])
     fn(q, k, v, out, lse, float(softmax_scale), max_ctas)
 
