@@ -40,8 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from .. import KernelFamily
 from ..common.compile_cache import KernelSpec, get_compiled
-from ..common.tma import tma_reason
-from ..common.flash_common import LOG2_E, acc_as_rows_cols, convert_to_16bit, mask_scores
+from ..common.flash_common import LOG2_E, acc_as_rows_cols, convert_to_16bit, mask_scores, qkv_coverage_reason
 
 FAMILY_NAME = "flash_bwd_sm90"
 HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -620,21 +619,9 @@ _compiled: dict[tuple, object] = {}
 def unsupported_reason(q, k, v, causal: bool) -> str | None:
     """Why this kernel does not cover the case, or None. The op layer has chosen it for an sm_90
     device, validated the shapes and checks dout and out (loaded like q) itself."""
-    if q.dtype not in _DTYPE_NAMES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"flash_bwd_sm90 supports bf16/fp16 q, k, v, got {q.dtype}/{k.dtype}/{v.dtype}"
-    head_dim = q.shape[-1]
-    if head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
-        return f"flash_bwd_sm90 supports equal q/k/v head dims in {HEAD_DIMS}, got " \
-               f"{q.shape[-1]}/{k.shape[-1]}/{v.shape[-1]}"
     if min(q.shape[0], q.shape[1], k.shape[1]) == 0:
         return "flash_bwd_sm90 needs non-empty batch and sequences"
-    if q.shape[2] % k.shape[2] != 0:
-        return "flash_bwd_sm90 needs H_q to be a multiple of H_kv"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        reason = tma_reason(name, t, (3,))
-        if reason:
-            return reason
-    return None
+    return qkv_coverage_reason("flash_bwd_sm90", q, k, v, _DTYPE_NAMES, HEAD_DIMS)
 
 
 def launch(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool) -> None:

@@ -39,7 +39,6 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .. import KernelFamily
 from ..common.compile_cache import KernelSpec, get_compiled
-from ..common.tma import tma_reason
 from ..common.flash_common import (
     LOG2_E,
     AttentionTileScheduler,
@@ -49,6 +48,7 @@ from ..common.flash_common import (
     acc_as_rows_cols,
     convert_to_16bit,
     mask_scores,
+    qkv_coverage_reason,
     scale_rows,
 )
 
@@ -610,17 +610,9 @@ def _compiled(dtype: str, head_dim: int, causal: bool):
 def unsupported_reason(q, k, v, causal: bool) -> str | None:
     """Why this kernel does not cover the case, or None when it does. The op layer has chosen
     it for an sm_90 device and validated the shapes."""
-    if q.dtype not in _DTYPE_NAMES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"flash_fwd_sm90 supports bf16/fp16 q, k, v of one dtype, got {q.dtype}/{k.dtype}/{v.dtype}"
-    head_dim = q.shape[-1]
-    if head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
-        return f"flash_fwd_sm90 supports head dims {HEAD_DIMS} (v like q), got {head_dim}/{v.shape[-1]}"
-    if q.shape[2] % k.shape[2] != 0:
-        return "flash_fwd_sm90 needs num_heads_q to be a multiple of num_heads_kv"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        reason = tma_reason(name, t, (3,))
-        if reason:
-            return reason
+    reason = qkv_coverage_reason("flash_fwd_sm90", q, k, v, _DTYPE_NAMES, HEAD_DIMS)
+    if reason:
+        return reason
     if max(q.shape[1], k.shape[1]) >= 2**31 or q.shape[0] * q.shape[2] >= 2**31:
         return "flash_fwd_sm90 indexes sizes with 32-bit integers"
     return None
