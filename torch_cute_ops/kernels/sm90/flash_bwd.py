@@ -50,7 +50,7 @@ _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 # the whole key block in registers (tile_n * head_dim * 2 / 256 fp32 per thread), and smem
 # holds K, V, num_stages x (Q, dO), P, dS and the fp32 dQ tile (<= 227 KB).
 TILE_CONFIGS = {
-    64: (64, 128, 2),
+    64: (128, 128, 2),
     96: (64, 128, 2),
     128: (64, 128, 2),
     192: (64, 64, 2),
@@ -61,8 +61,9 @@ _NUM_MMA_THREADS = 256  # two consumer warpgroups
 _PRODUCER_REGS = 24
 _MMA_REGS = 240
 # named barriers (0 is __syncthreads)
-_BAR_MMA = 1  # both MMA warpgroups: P/dS ready, P/dS free, epilogue
+_BAR_MMA = 1  # both MMA warpgroups: dS ready, dS free, epilogue
 _BAR_DQ = 2  # + warpgroup index: the warpgroup's dQ smem tile
+_BAR_P = 4  # + warpgroup index: the warpgroup's P columns are in smem
 
 
 def _transposed(t: cute.Tensor) -> cute.Tensor:
@@ -128,6 +129,8 @@ class FlashBwdSm90:
         self.rows_per_cta = self.row_threads // self.threads_per_row
         # dK, dV tile (tile_n, head_dim) split over the two MMA warpgroups
         self.dkv_atoms = (2, 1) if tile_n == 128 else (1, 2)
+        # split by key rows, a warpgroup's dV needs only the P columns it computed itself
+        self.early_dv = self.dkv_atoms == (2, 1)
 
     # ---------------------------------------------------------------- host side
     def _make_mmas(self):
@@ -137,7 +140,8 @@ class FlashBwdSm90:
             return sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, a_major, b_major, Float32,
                 atom_layout_mnk=(*atoms_mn, 1),
-                tiler_mn=(tile_mn[0] // atoms_mn[0], tile_mn[1] // atoms_mn[1]),
+                # a WGMMA atom is 64 rows high: taller tiles repeat it
+                tiler_mn=(min(64, tile_mn[0] // atoms_mn[0]), tile_mn[1] // atoms_mn[1]),
             )
 
         # S = Q K^T and dP = dO V^T: (tile_m, tile_n), warpgroups split the keys
@@ -178,10 +182,15 @@ class FlashBwdSm90:
                                  self.head_dim // self.dkv_atoms[1])
         sdO_layout = sQ_layout
         sKV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, None, self.dq_cols)
-        # P and dS: one buffer per Q stage, so that writing block i+1's P never waits
-        # for the other warpgroup's block-i GEMMs (with one stage a barrier orders them)
-        sPdS_layout = _smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages,
-                                   self.tile_n // self.dkv_atoms[0])
+        # dS (and a P that both warpgroups read): one buffer per Q stage, so that writing
+        # block i+1's never waits for the other warpgroup's block-i GEMMs (with one stage a
+        # barrier orders them). A warpgroup-private P is free once its own dV has finished.
+        # (Every warp of the warpgroup has waited for that dV before the dQ barrier that
+        # precedes the next P store.)
+        pds_slice = self.tile_n // self.dkv_atoms[0]
+        sP_layout = _smem_layout(self.dtype, self.tile_m, self.tile_n,
+                                 1 if self.early_dv else self.num_stages, pds_slice)
+        sdS_layout = _smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages, pds_slice)
         # fp32 dQ tile, one (tile_m, dq_cols) block per warpgroup
         sdQ_layout = _smem_layout(Float32, self.tile_m, self.dq_cols, 2)
 
@@ -209,8 +218,8 @@ class FlashBwdSm90:
             sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sPdS_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sPdS_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sP_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         self.q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
@@ -222,7 +231,7 @@ class FlashBwdSm90:
             tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_dQ,
             gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, gmem_dQ,
             mLSE, mDelta, mma_sdp, mma_dv, mma_dk, mma_dq,
-            sQ_layout, sKV_layout, sPdS_layout, sdQ_layout,
+            sQ_layout, sKV_layout, sP_layout, sdS_layout, sdQ_layout,
             softmax_scale * LOG2_E, softmax_scale, SharedStorage,
         ).launch(grid=grid, block=[128 + _NUM_MMA_THREADS, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
@@ -283,7 +292,8 @@ class FlashBwdSm90:
         mma_sdp: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma,
         mma_dq: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-        sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+        sdQ_layout: cute.ComposedLayout,
         scale_log2: Float32, softmax_scale: Float32,
         SharedStorage: cutlass.Constexpr,
     ):
@@ -297,7 +307,7 @@ class FlashBwdSm90:
         smem = {
             name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
             for name, layout in (("sQ", sQ_layout), ("sdO", sQ_layout), ("sK", sKV_layout),
-                                 ("sV", sKV_layout), ("sP", sPdS_layout), ("sdS", sPdS_layout),
+                                 ("sV", sKV_layout), ("sP", sP_layout), ("sdS", sdS_layout),
                                  ("sdQ", sdQ_layout))
         }
 
@@ -461,7 +471,7 @@ class FlashBwdSm90:
             head = kv_head * group + block // num_m
             m_block = m_block_min + block % num_m
             q_idx, do_idx = state_q.index, state_do.index
-            pds_idx = q_idx if const_expr(self.num_stages == 2) else 0
+            p_idx = 0 if const_expr(self.early_dv) else q_idx
             # S = Q K^T in flight while lse and delta load
             pipe_q.consumer_wait(state_q)
             _wgmma(mma_sdp, acc_S, tSrQ[None, None, None, q_idx], tSrK, True)
@@ -487,23 +497,32 @@ class FlashBwdSm90:
                 # single P/dS buffer: both warpgroups are done with the previous block's
                 cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
             rP = _to_dtype(acc_S, self.dtype)
-            cute.copy(store_PdS, store_PdS.retile(rP), tPsP[None, None, None, pds_idx])
+            cute.copy(store_PdS, store_PdS.retile(rP), tPsP[None, None, None, p_idx])
+            if const_expr(self.early_dv):
+                # this warpgroup's dV reads only the P columns it wrote: a warpgroup barrier
+                # publishes them, and dV runs on the tensor cores while dS forms
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=_BAR_P + wg_idx, number_of_threads=128)
+                _wgmma(mma_dv, acc_dV, tdVrPt[None, None, None, p_idx],
+                       tdVrdOt[None, None, None, do_idx], False)
 
             # dS = P * (dP - delta)
-            warpgroup.wait_group(0)
+            warpgroup.wait_group(1 if const_expr(self.early_dv) else 0)  # dP done
             for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
                 for c in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[1])):
                     acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - row_delta[r])
             rdS = _to_dtype(acc_dP, self.dtype)
-            cute.copy(store_PdS, store_PdS.retile(rdS), tdSsdS[None, None, None, pds_idx])
+            cute.copy(store_PdS, store_PdS.retile(rdS), tdSsdS[None, None, None, q_idx])
             cute.arch.fence_proxy("async.shared", space="cta")
+            # dQ = dS K reads the dS (and a late dV the P) columns of both warpgroups
             cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
 
-            # dV += P^T dO, dQ = dS K, dK += dS^T Q
-            _wgmma(mma_dv, acc_dV, tdVrPt[None, None, None, pds_idx],
-                   tdVrdOt[None, None, None, do_idx], False)
-            _wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, True)
-            _wgmma(mma_dk, acc_dK, tdKrdSt[None, None, None, pds_idx],
+            if const_expr(not self.early_dv):
+                _wgmma(mma_dv, acc_dV, tdVrPt[None, None, None, p_idx],
+                       tdVrdOt[None, None, None, do_idx], False)
+            # dQ = dS K, dK += dS^T Q
+            _wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, q_idx], tdQrKt, True)
+            _wgmma(mma_dk, acc_dK, tdKrdSt[None, None, None, q_idx],
                    tdKrQt[None, None, None, q_idx], False)
             warpgroup.wait_group(1)  # dV and dQ done, dK still running
             pipe_do.consumer_release(state_do)
