@@ -56,11 +56,11 @@ class Row:
     extra_mem_mb: dict = field(default_factory=dict)  # provider -> peak extra MiB
 
 
-def grid(quick: bool) -> list[Shape]:
+def grid(quick: bool, head_dims=HEAD_DIMS, seqlens=SEQLENS) -> list[Shape]:
     shapes = []
-    for head_dim in HEAD_DIMS:
+    for head_dim in head_dims:
         heads = HIDDEN // head_dim
-        for seqlen in SEQLENS:
+        for seqlen in seqlens:
             if quick and seqlen not in (1024, 4096, 16384):
                 continue
             for causal in (False, True):
@@ -267,10 +267,29 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
+    parser.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
+    parser.add_argument("--fwd-schedule", choices=("default", "persistent", "per-tile"),
+                        default="default", help="experiment: forward CTAs, one per SM or per tile")
+    parser.add_argument("--bwd-tile", action="append", default=[], metavar="D=MxNxS",
+                        help="experiment: backward tile_m x tile_n x stages for head dim D")
     args = parser.parse_args()
+    for override in args.bwd_tile:
+        from torch_cute_ops.kernels.sm90 import flash_bwd
+        head_dim, tile = override.split("=")
+        flash_bwd.TILE_CONFIGS[int(head_dim)] = tuple(int(x) for x in tile.split("x"))
+        print(f"backward tile for head dim {head_dim}: {tile}")
+    if args.fwd_schedule != "default":
+        from torch_cute_ops.kernels.sm90 import flash_fwd
+        per_tile = args.fwd_schedule == "per-tile"
+        flash_fwd._max_ctas = lambda device, *_: (
+            flash_fwd._ONE_CTA_PER_TILE if per_tile else flash_fwd._num_sms(device))
+        print(f"forward schedule: {args.fwd_schedule}")
     providers = [p for p in args.providers.split(",") if p]
     rows = []
-    for shape in grid(args.quick):
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    seqlens = [int(s) for s in args.seqlens.split(",")]
+    for shape in grid(args.quick, head_dims, seqlens):
         rows.append(measure(shape, args.backward, providers, args.warmup, args.rep))
         print(f"{shape.name}: " + ", ".join(
             f"{p} {tflops(rows[-1], p, args.backward):.0f}" for p in providers if p in rows[-1].ms),

@@ -33,10 +33,11 @@ def test_ptx_is_warp_specialized_wgmma_with_tma(spec_args, tmp_path):
     ptx = _ptx(flash_bwd._spec(dtype, head_dim, causal), tmp_path)
     assert ".target sm_90a" in ptx
     tile_m, tile_n, _ = flash_bwd.TILE_CONFIGS[head_dim]
-    # per query block and 64-row WGMMA atom: S and dP (head_dim / 16 k-steps), dQ (tile_n / 16);
-    # dV and dK (tile_m / 16 k-steps, one 64-key atom per warpgroup)
-    atoms_m = tile_m // 64
-    expected_wgmma = atoms_m * (2 * head_dim // 16 + tile_n // 16) + 2 * tile_m // 16
+    # per query block, per 64-row WGMMA atom of a warpgroup: S and dP (head_dim / 16 k-steps;
+    # transposed, one 64-key atom), dQ (tile_n / 16), dV and dK (tile_m / 16, one 64-key atom)
+    sdp_atoms = 1 if tile_n == 128 else tile_m // 64
+    expected_wgmma = (2 * sdp_atoms * head_dim // 16 + (tile_m // 64) * tile_n // 16
+                      + 2 * tile_m // 16)
     assert ptx.count("wgmma.mma_async") == expected_wgmma
     assert "cp.async.bulk.tensor" in ptx  # TMA loads/stores
     assert "cp.reduce.async.bulk.tensor" in ptx  # dQ reduce-add

@@ -178,6 +178,7 @@ def mask_scores(
     seqlen_k: Int32,
     causal: cutlass.Constexpr[bool],
     mask_seqlen: cutlass.Constexpr[bool],
+    keys_in_rows: cutlass.Constexpr[bool] = False,
 ):
     """Set scores outside the visible band to -inf, in place.
 
@@ -186,25 +187,40 @@ def mask_scores(
     thread's and of thread 0's accumulator, both in :func:`acc_as_rows_cols` form.
     Columns are compared through thread 0's coordinates (compile-time constants)
     against a limit shifted by this thread's column offset: one compare per score.
+    ``keys_in_rows``: the fragment holds S^T (rows are keys, columns queries); the
+    origins keep their meaning (``row_start`` is still the first query).
     """
     acc = acc_as_rows_cols(acc_s)
     col_offset = tScS[0, 0][1]
-    seqlen_limit = seqlen_k - col_start - col_offset
-    if const_expr(not causal):
-        if const_expr(mask_seqlen):
-            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                keep = t0ScS[0, c][1] < seqlen_limit
-                for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-                    acc[r, c] = acc[r, c] if keep else -Float32.inf
-    else:
-        # query row i sees keys j <= i + seqlen_k - seqlen_q
-        diag = row_start + 1 + seqlen_k - seqlen_q - col_start - col_offset
+    if const_expr(keys_in_rows):
+        # key j is visible to query i iff j < seqlen_k and (causal) i >= j - (seqlen_k - seqlen_q)
+        hidden = Int32(1 << 30)  # above every column: the whole row is masked
         for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
-            limit = diag + tScS[r, 0][0]
+            key = col_start + tScS[r, 0][0]
+            first_col = Int32(-1)
+            if const_expr(causal):
+                first_col = key - (seqlen_k - seqlen_q) - row_start - col_offset
             if const_expr(mask_seqlen):
-                limit = cutlass.min(limit, seqlen_limit)
+                first_col = cutlass.select_(key < seqlen_k, first_col, hidden)
             for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                acc[r, c] = acc[r, c] if t0ScS[0, c][1] < limit else -Float32.inf
+                acc[r, c] = acc[r, c] if t0ScS[0, c][1] >= first_col else -Float32.inf
+    else:
+        seqlen_limit = seqlen_k - col_start - col_offset
+        if const_expr(not causal):
+            if const_expr(mask_seqlen):
+                for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                    keep = t0ScS[0, c][1] < seqlen_limit
+                    for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+                        acc[r, c] = acc[r, c] if keep else -Float32.inf
+        else:
+            # query row i sees keys j <= i + seqlen_k - seqlen_q
+            diag = row_start + 1 + seqlen_k - seqlen_q - col_start - col_offset
+            for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+                limit = diag + tScS[r, 0][0]
+                if const_expr(mask_seqlen):
+                    limit = cutlass.min(limit, seqlen_limit)
+                for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                    acc[r, c] = acc[r, c] if t0ScS[0, c][1] < limit else -Float32.inf
 
 
 # ---------------------------------------------------------------------------

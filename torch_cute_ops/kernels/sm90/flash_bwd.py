@@ -2,27 +2,33 @@
 
 One compiled function runs three kernels on the current stream:
 
-1. preprocess: ``delta = rowsum(dO * O)`` (fp32, (B, H, S_q)) and zero the fp32 dQ
+1. preprocess: ``delta = rowsum(dO * O)`` and ``lse * log2(e)`` (fp32, (B, H, S_q)
+   padded to whole query blocks so that TMA can load them) and zero the fp32 dQ
    accumulator (B, S_q, H, D);
 2. main kernel, one CTA per (key block, kv head, batch):
    * warpgroup 0, warp 0 (24 registers after ``setmaxnreg``): TMA producer. It loads
-     the K and V tiles once (they stay resident in smem), then streams the Q and dO
-     tiles of every query head of the GQA group through two ``num_stages`` pipelines;
-   * warpgroups 1-2 (240 registers): recompute ``S = Q K^T`` and ``dP = dO V^T``
-     with WGMMA, ``P = exp2(S * scale * log2 e - lse * log2 e)``, ``dS = P (dP - delta)``,
-     then ``dV += P^T dO``, ``dK += dS^T Q`` (fp32 accumulators in registers for the
-     whole CTA) and ``dQ = dS K``. P and dS reach the second GEMMs through smem
-     (stmatrix; one buffer per Q stage). Each warpgroup writes its half of the dQ tile to
-     smem and adds it to the fp32 accumulator in global memory with one TMA
-     reduce-add (``cp.reduce.async.bulk.tensor``). Causal blocks above the diagonal
-     are never loaded nor computed;
+     the K and V tiles once (they stay resident in smem), then streams the Q tiles with
+     their lse slice and the dO tiles with their delta slice, for every query head of the
+     GQA group, through two ``num_stages`` pipelines;
+   * warpgroups 1-2 (240 registers) recompute ``P = exp2(S * scale * log2 e - lse * log2 e)``
+     and ``dS = P (dP - delta)`` from WGMMAs ``S = Q K^T`` and ``dP = dO V^T``, then
+     ``dV += P^T dO``, ``dK += dS^T Q`` (fp32 accumulators in registers for the whole CTA)
+     and ``dQ = dS K``. With 128-key blocks (head dims 64-128) S and dP are computed
+     transposed, keys along WGMMA's M, so that each warpgroup holds P^T and dS^T of its
+     own 64 keys in registers: dV and dK take them as register A operands, and only dS
+     goes through smem (stmatrix), for dQ. With 64-key blocks (head dims 192, 256) P and
+     dS both go through smem. Each warpgroup writes its half of the dQ tile to smem and
+     adds it to the fp32 accumulator in global memory with one TMA reduce-add
+     (``cp.reduce.async.bulk.tensor``). Causal blocks above the diagonal are never loaded
+     nor computed;
 3. postprocess: convert the fp32 dQ accumulator to the input dtype.
 
 Determinism: dK and dV are deterministic (a CTA owns its key block and loops over the
 query heads of its kv head in a fixed order, so GQA needs no atomics). dQ is summed by
 TMA reduce-adds from the CTAs of different key blocks, whose order is not fixed: dQ is
 not bitwise reproducible run to run (fp32 sums, then rounded to bf16/fp16).
-Extra memory: delta (B*H*S_q fp32) and the dQ accumulator (B*S_q*H*D fp32).
+Extra memory: delta and lse * log2(e) (2 x B*H*S_q fp32, padded) and the dQ accumulator
+(B*S_q*H*D fp32).
 """
 
 from __future__ import annotations
@@ -48,9 +54,10 @@ _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
 # head_dim -> (tile_m, tile_n, num_stages). The two MMA warpgroups keep dK and dV for
 # the whole key block in registers (tile_n * head_dim * 2 / 256 fp32 per thread), and smem
-# holds K, V, num_stages x (Q, dO), P, dS and the fp32 dQ tile (<= 227 KB).
+# holds K, V, num_stages x (Q, dO, dS, and P when it is not kept in registers) and the
+# fp32 dQ tile (<= 227 KB). At head dim 64, 128-row query tiles spill (measured slower).
 TILE_CONFIGS = {
-    64: (128, 128, 2),
+    64: (64, 128, 2),
     96: (64, 128, 2),
     128: (64, 128, 2),
     192: (64, 64, 2),
@@ -58,12 +65,13 @@ TILE_CONFIGS = {
 }
 
 _NUM_MMA_THREADS = 256  # two consumer warpgroups
+# per-query statistics are padded to a multiple of every tile_m (and of 16 bytes for TMA)
+_STAT_PAD = 128
 _PRODUCER_REGS = 24
 _MMA_REGS = 240
 # named barriers (0 is __syncthreads)
-_BAR_MMA = 1  # both MMA warpgroups: dS ready, dS free, epilogue
+_BAR_MMA = 1  # both MMA warpgroups: P/dS ready, P/dS free, epilogue
 _BAR_DQ = 2  # + warpgroup index: the warpgroup's dQ smem tile
-_BAR_P = 4  # + warpgroup index: the warpgroup's P columns are in smem
 
 
 def _transposed(t: cute.Tensor) -> cute.Tensor:
@@ -127,70 +135,97 @@ class FlashBwdSm90:
         self.chunks_per_thread = chunks // self.threads_per_row
         self.row_threads = 128
         self.rows_per_cta = self.row_threads // self.threads_per_row
+        # With two 64-key halves per block, S and dP are computed transposed (S^T = K Q^T,
+        # keys along WGMMA's M): each warpgroup then holds P^T and dS^T of its own keys in
+        # registers, exactly the A operands of dV += P^T dO and dK += dS^T Q, and only dS
+        # goes through smem (for dQ). Narrower key blocks split S by keys along N instead.
+        self.swap_sdp = tile_n == 128
+        # Issuing dV before dS forms (to overlap it) keeps P's 16-bit copy live next to the
+        # S and dP accumulators: affordable with 64-row query tiles, not with 128.
+        self.early_dv = self.swap_sdp and tile_m == 64
         # dK, dV tile (tile_n, head_dim) split over the two MMA warpgroups
-        self.dkv_atoms = (2, 1) if tile_n == 128 else (1, 2)
-        # split by key rows, a warpgroup's dV needs only the P columns it computed itself
-        self.early_dv = self.dkv_atoms == (2, 1)
+        self.dkv_atoms = (2, 1) if self.swap_sdp else (1, 2)
 
     # ---------------------------------------------------------------- host side
     def _make_mmas(self):
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
 
-        def tiled(a_major, b_major, tile_mn, atoms_mn):
+        sources = warpgroup.OperandSource
+
+        def tiled(a_major, b_major, tile_mn, atoms_mn, a_source=sources.SMEM):
             return sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, a_major, b_major, Float32,
                 atom_layout_mnk=(*atoms_mn, 1),
                 # a WGMMA atom is 64 rows high: taller tiles repeat it
                 tiler_mn=(min(64, tile_mn[0] // atoms_mn[0]), tile_mn[1] // atoms_mn[1]),
+                a_source=a_source,
             )
 
-        # S = Q K^T and dP = dO V^T: (tile_m, tile_n), warpgroups split the keys
-        mma_sdp = tiled(k_major, k_major, (self.tile_m, self.tile_n), (1, 2))
-        # dV = P^T dO and dK = dS^T Q: (tile_n, head_dim), both operands read transposed
-        dkv_atoms = self.dkv_atoms
-        mma_dv = tiled(mn_major, mn_major, (self.tile_n, self.head_dim), dkv_atoms)
-        mma_dk = tiled(mn_major, mn_major, (self.tile_n, self.head_dim), dkv_atoms)
-        # dQ = dS K: (tile_m, head_dim), warpgroups split the head dim
-        mma_dq = tiled(k_major, mn_major, (self.tile_m, self.head_dim), (1, 2))
-        return mma_sdp, mma_dv, mma_dk, mma_dq
+        swap = self.swap_sdp
+        if swap:  # S^T = K Q^T and dP^T = V dO^T: (tile_n, tile_m), warpgroups split the keys
+            mma_sdp = tiled(k_major, k_major, (self.tile_n, self.tile_m), (2, 1))
+        else:  # S = Q K^T and dP = dO V^T: (tile_m, tile_n), warpgroups split the keys
+            mma_sdp = tiled(k_major, k_major, (self.tile_m, self.tile_n), (1, 2))
+        # dV = P^T dO and dK = dS^T Q: (tile_n, head_dim); P^T, dS^T from registers or smem
+        dkv_tile = (self.tile_n, self.head_dim)
+        if swap:
+            mma_dkv = tiled(k_major, mn_major, dkv_tile, self.dkv_atoms, sources.RMEM)
+        else:
+            mma_dkv = tiled(mn_major, mn_major, dkv_tile, self.dkv_atoms)
+        # dQ = dS K: (tile_m, head_dim), warpgroups split the head dim; dS is stored as the
+        # accumulator holds it, so it is MN-major when S was computed transposed
+        mma_dq = tiled(mn_major if swap else k_major, mn_major, (self.tile_m, self.head_dim), (1, 2))
+        return mma_sdp, mma_dkv, mma_dq
 
     @cute.jit
     def __call__(self, mdO: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mO: cute.Tensor, mLSE: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
-                 mdV: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
-                 softmax_scale: Float32, stream):
+                 mdV: cute.Tensor, mDelta: cute.Tensor, mLSElog2: cute.Tensor,
+                 mdQacc: cute.Tensor, softmax_scale: Float32, stream):
+        # delta and lse * log2(e) are padded to whole query blocks (pad: 0 and +inf)
+        num_rows = cute.size(mQ.shape[0]) * cute.size(mDelta.shape[2]) * cute.size(mQ.shape[2])
+        self._preprocess_kernel(mO, mdO, mLSE, mDelta, mLSElog2, mdQacc).launch(
+            grid=(cute.ceil_div(num_rows, self.rows_per_cta), 1, 1),
+            block=[self.row_threads, 1, 1], stream=stream)
+        self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, softmax_scale,
+                          stream)
         num_rows = cute.size(mQ.shape[0]) * cute.size(mQ.shape[1]) * cute.size(mQ.shape[2])
-        row_grid = (cute.ceil_div(num_rows, self.rows_per_cta), 1, 1)
-        self._preprocess_kernel(mO, mdO, mDelta, mdQacc).launch(
-            grid=row_grid, block=[self.row_threads, 1, 1], stream=stream)
-        self._launch_main(mdO, mQ, mK, mV, mLSE, mdK, mdV, mDelta, mdQacc, softmax_scale, stream)
         self._postprocess_kernel(mdQacc, mdQ).launch(
-            grid=row_grid, block=[self.row_threads, 1, 1], stream=stream)
+            grid=(cute.ceil_div(num_rows, self.rows_per_cta), 1, 1),
+            block=[self.row_threads, 1, 1], stream=stream)
 
     @cute.jit
-    def _launch_main(self, mdO, mQ, mK, mV, mLSE, mdK, mdV, mDelta, mdQacc, softmax_scale, stream):
-        # (B, S, H, D) -> (S, D, H, B): TMA tiles over (S, D)
+    def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, softmax_scale,
+                     stream):
+        # (B, S, H, D) -> (S, D, H, B): TMA tiles over (S, D); (B, H, S) -> (S, H, B)
         seq_major = [1, 3, 2, 0]
         mQ, mK, mV, mdO, mdK, mdV, mdQacc = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=seq_major))
             for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)
         ]
-        mma_sdp, mma_dv, mma_dk, mma_dq = self._make_mmas()
+        mLSElog2, mDelta = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+                            for t in (mLSElog2, mDelta)]
+        mma_sdp, mma_dkv, mma_dq = self._make_mmas()
 
-        # Q, dO: MN-major B of dK/dV; K: MN-major B of dQ; P, dS: MN-major A of dK/dV
+        # Q, dO: MN-major B of dK/dV; K: MN-major B of dQ
         sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim, self.num_stages,
                                  self.head_dim // self.dkv_atoms[1])
         sdO_layout = sQ_layout
         sKV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, None, self.dq_cols)
-        # dS (and a P that both warpgroups read): one buffer per Q stage, so that writing
+        # P and dS as their accumulators hold them, one buffer per Q stage, so that writing
         # block i+1's never waits for the other warpgroup's block-i GEMMs (with one stage a
-        # barrier orders them). A warpgroup-private P is free once its own dV has finished.
-        # (Every warp of the warpgroup has waited for that dV before the dQ barrier that
-        # precedes the next P store.)
-        pds_slice = self.tile_n // self.dkv_atoms[0]
-        sP_layout = _smem_layout(self.dtype, self.tile_m, self.tile_n,
-                                 1 if self.early_dv else self.num_stages, pds_slice)
-        sdS_layout = _smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages, pds_slice)
+        # barrier orders them). Transposed, only dS is stored: the A of dQ, MN-major.
+        if const_expr(self.swap_sdp):
+            sdS_layout = _smem_layout(self.dtype, self.tile_n, self.tile_m, self.num_stages,
+                                      self.tile_m)
+            sP_layout = sdS_layout  # never allocated: P stays in registers
+        else:
+            pds_slice = self.tile_n // self.dkv_atoms[0]
+            sP_layout = _smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages,
+                                     pds_slice)
+            sdS_layout = sP_layout
+        # lse * log2(e) with Q, delta with dO: one query block per stage
+        sStat_layout = cute.make_layout((self.tile_m, self.num_stages))
         # fp32 dQ tile, one (tile_m, dq_cols) block per warpgroup
         sdQ_layout = _smem_layout(Float32, self.tile_m, self.dq_cols, 2)
 
@@ -206,8 +241,12 @@ class FlashBwdSm90:
         tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc,
             cute.select(sdQ_layout, mode=[0, 1]), (self.tile_m, self.dq_cols))
+        stat_tile = cute.make_layout(self.tile_m)
+        tma_LSE, gmem_LSE = cpasync.make_tiled_tma_atom(g2s, mLSElog2, stat_tile, (self.tile_m,))
+        tma_Delta, gmem_Delta = cpasync.make_tiled_tma_atom(g2s, mDelta, stat_tile, (self.tile_m,))
 
-        dtype, stages = self.dtype, self.num_stages
+        dtype, stages, stat_size = self.dtype, self.num_stages, cute.cosize(sStat_layout)
+        p_size = 0 if const_expr(self.swap_sdp) else cute.cosize(sP_layout)
 
         @cute.struct
         class SharedStorage:
@@ -218,43 +257,49 @@ class FlashBwdSm90:
             sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sP_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, stat_size], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, stat_size], 128]
+            if const_expr(p_size > 0):
+                sP: cute.struct.Align[cute.struct.MemRange[dtype, p_size], 1024]
 
-        self.q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+        # a Q (dO) stage's barrier counts the tile and its lse (delta) slice
+        self.q_bytes = (cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+                        + self.tile_m * Float32.width // 8)
         self.kv_bytes = cute.size_in_bytes(self.dtype, sKV_layout)
 
         grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n),
                 cute.size(mK.shape[2]), cute.size(mK.shape[3]))
         self._main_kernel(
-            tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_dQ,
-            gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, gmem_dQ,
-            mLSE, mDelta, mma_sdp, mma_dv, mma_dk, mma_dq,
-            sQ_layout, sKV_layout, sP_layout, sdS_layout, sdQ_layout,
+            tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_dQ, tma_LSE, tma_Delta,
+            gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, gmem_dQ, gmem_LSE, gmem_Delta,
+            mma_sdp, mma_dkv, mma_dq,
+            sQ_layout, sKV_layout, sP_layout, sdS_layout, sdQ_layout, sStat_layout,
             softmax_scale * LOG2_E, softmax_scale, SharedStorage,
         ).launch(grid=grid, block=[128 + _NUM_MMA_THREADS, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- pre/postprocess
     @cute.jit
-    def _row_coords(self, mX: cute.Tensor):
-        """This thread's (b, s, h) row of a (B, S, H, D) tensor (h fastest), its lane in
+    def _row_coords(self, num_b, num_s, num_h):
+        """This thread's (b, s, h) row of a (B, S, H, ...) grid (h fastest), its lane in
         the row's thread group and whether the row exists."""
         tidx = cute.arch.thread_idx()[0]
         row = cute.arch.block_idx()[0] * self.rows_per_cta + tidx // self.threads_per_row
-        num_s, num_h = mX.shape[1], mX.shape[2]
         h = row % num_h
         s = (row // num_h) % num_s
         b = row // (num_h * num_s)
-        return b, s, h, tidx % self.threads_per_row, b < mX.shape[0]
+        return b, s, h, tidx % self.threads_per_row, b < num_b
 
     @cute.kernel
-    def _preprocess_kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mDelta: cute.Tensor,
-                           mdQacc: cute.Tensor):
-        b, s, h, lane, valid = self._row_coords(mO)
+    def _preprocess_kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                           mDelta: cute.Tensor, mLSElog2: cute.Tensor, mdQacc: cute.Tensor):
+        seqlen_q = mO.shape[1]
+        b, s, h, lane, valid = self._row_coords(mO.shape[0], mDelta.shape[2], mO.shape[2])
+        in_seq = valid & (s < seqlen_q)
         partial = Float32(0.0)
-        if valid:
+        if in_seq:
             o_row, do_row, acc_row = mO[b, s, h, None], mdO[b, s, h, None], mdQacc[b, s, h, None]
             zeros = cute.make_rmem_tensor((8,), Float32)
             zeros.fill(0.0)
@@ -268,11 +313,17 @@ class FlashBwdSm90:
         total = cute.arch.warp_reduction_sum(partial, threads_in_group=self.threads_per_row)
         if valid:
             if lane == 0:
+                # rows past seqlen_q and rows that attend to nothing (lse = -inf) get
+                # lse = +inf, so that P = exp2(S - lse) = 0 there and their gradient is zero
+                lse = Float32(-math.inf)
+                if in_seq:
+                    lse = mLSE[b, h, s]
+                mLSElog2[b, h, s] = cutlass.select_(lse == -math.inf, math.inf, lse * LOG2_E)
                 mDelta[b, h, s] = total
 
     @cute.kernel
     def _postprocess_kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor):
-        b, s, h, lane, valid = self._row_coords(mdQ)
+        b, s, h, lane, valid = self._row_coords(mdQ.shape[0], mdQ.shape[1], mdQ.shape[2])
         if valid:
             acc_row, dq_row = mdQacc[b, s, h, None], mdQ[b, s, h, None]
             for k in cutlass.range_constexpr(self.chunks_per_thread):
@@ -286,30 +337,33 @@ class FlashBwdSm90:
         self,
         tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
         tma_dK: cute.CopyAtom, tma_dV: cute.CopyAtom, tma_dQ: cute.CopyAtom,
+        tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom,
         mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
         mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor,
-        mLSE: cute.Tensor, mDelta: cute.Tensor,
-        mma_sdp: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma,
-        mma_dq: cute.TiledMma,
+        mLSElog2: cute.Tensor, mDelta: cute.Tensor,
+        mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-        sP_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
-        sdQ_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,  # unused when P stays in registers (swap_sdp)
+        sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+        sStat_layout: cute.Layout,
         scale_log2: Float32, softmax_scale: Float32,
         SharedStorage: cutlass.Constexpr,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, kv_head, batch = cute.arch.block_idx()
         if warp_idx == 0:
-            for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_dQ):
+            for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_dQ, tma_LSE, tma_Delta):
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        smem = {
-            name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
-            for name, layout in (("sQ", sQ_layout), ("sdO", sQ_layout), ("sK", sKV_layout),
-                                 ("sV", sKV_layout), ("sP", sP_layout), ("sdS", sdS_layout),
-                                 ("sdQ", sdQ_layout))
-        }
+        swizzled = [("sQ", sQ_layout), ("sdO", sQ_layout), ("sK", sKV_layout),
+                    ("sV", sKV_layout), ("sdS", sdS_layout), ("sdQ", sdQ_layout)]
+        if const_expr(not self.swap_sdp):
+            swizzled.append(("sP", sP_layout))
+        smem = {name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
+                for name, layout in swizzled}
+        smem["sLSE"] = storage.sLSE.get_tensor(sStat_layout)
+        smem["sDelta"] = storage.sDelta.get_tensor(sStat_layout)
 
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         # PipelineTmaAsync releases with one arrive per consumer warp
@@ -330,13 +384,14 @@ class FlashBwdSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp_idx == 0:
-                self._produce(tma_Q, tma_dO, tma_K, tma_V, mQ, mdO, mK, mV, smem,
+                self._produce((tma_Q, tma_LSE), (tma_dO, tma_Delta), tma_K, tma_V,
+                              (mQ, mLSElog2), (mdO, mDelta), mK, mV, smem,
                               pipe_kv, pipe_q, pipe_do, n_block, kv_head, batch, group,
                               m_block_min, m_block_max)
         else:
             cute.arch.setmaxregister_increase(_MMA_REGS)
-            self._consume(tma_dK, tma_dV, tma_dQ, mdK, mdV, mdQacc, mLSE, mDelta,
-                          mma_sdp, mma_dv, mma_dk, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
+            self._consume(tma_dK, tma_dV, tma_dQ, mdK, mdV, mdQacc,
+                          mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
                           scale_log2, softmax_scale, n_block, kv_head, batch, group,
                           m_block_min, m_block_max, seqlen_q, seqlen_k)
 
@@ -352,11 +407,12 @@ class FlashBwdSm90:
         return m_block_min, m_block_max
 
     @cute.jit
-    def _produce(self, tma_Q, tma_dO, tma_K, tma_V, mQ, mdO, mK, mV, smem,
+    def _produce(self, tma_q, tma_do, tma_K, tma_V, m_q, m_do, mK, mV, smem,
                  pipe_kv, pipe_q, pipe_do, n_block, kv_head, batch, group,
                  m_block_min, m_block_max):
+        """K and V once; then per query block, Q with its lse slice and dO with its delta
+        slice (tma_q, m_q: the (tile, stat) atoms and tensors of each stream)."""
         kv_tile = (self.tile_n, self.head_dim)
-        q_tile = (self.tile_m, self.head_dim)
         state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(state_kv)
         for atom, mX, sX in ((tma_K, mK, smem["sK"]), (tma_V, mV, smem["sV"])):
@@ -369,70 +425,92 @@ class FlashBwdSm90:
         state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for g in cutlass.range(group, unroll=1):
             head = kv_head * group + g
-            gQ = cute.local_tile(mQ[None, None, head, batch], q_tile, (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], q_tile, (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
-                                               cute.group_modes(smem["sQ"], 0, 2), cute.group_modes(gQ, 0, 2))
-            tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, cute.make_layout(1),
-                                                   cute.group_modes(smem["sdO"], 0, 2), cute.group_modes(gdO, 0, 2))
+            q_views = self._stream_views(tma_q, m_q, smem["sQ"], smem["sLSE"], head, batch)
+            do_views = self._stream_views(tma_do, m_do, smem["sdO"], smem["sDelta"], head, batch)
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                pipe_q.producer_acquire(state_q)
-                cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state_q.index],
-                          tma_bar_ptr=pipe_q.producer_get_barrier(state_q))
+                self._load_stage(tma_q, q_views, pipe_q, state_q, m_block)
                 state_q.advance()
-                pipe_do.producer_acquire(state_do)
-                cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state_do.index],
-                          tma_bar_ptr=pipe_do.producer_get_barrier(state_do))
+                self._load_stage(tma_do, do_views, pipe_do, state_do, m_block)
                 state_do.advance()
 
     @cute.jit
-    def _row_stats(self, mLSE_bh: cute.Tensor, mDelta_bh: cute.Tensor, tScS: cute.Tensor,
-                   m_block: Int32, seqlen_q, row_lse: cute.Tensor, row_delta: cute.Tensor):
-        """lse * log2(e) and delta of the accumulator rows this thread owns.
-
-        Rows past seqlen_q and rows with lse = -inf (they attend to nothing) get
-        lse = +inf, so that P = exp2(S - lse) = 0 there and their gradient is zero.
-        """
-        for r in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
-            row = m_block * self.tile_m + tScS[r, 0][0]
-            in_range = row < seqlen_q
-            safe_row = cutlass.min(row, seqlen_q - 1)
-            lse = cutlass.select_(in_range, mLSE_bh[safe_row], -math.inf)
-            row_lse[r] = cutlass.select_(lse == -math.inf, math.inf, lse * LOG2_E)
-            row_delta[r] = cutlass.select_(in_range, mDelta_bh[safe_row], Float32(0.0))
+    def _stream_views(self, atoms, tensors, sX, sStat, head, batch):
+        """TMA views (smem stages, gmem blocks) of a (B, S, H, D) tile stream and its
+        (B, H, S) per-row statistic, for one head."""
+        (tma_X, tma_stat), (mX, mStat) = atoms, tensors
+        gX = cute.local_tile(mX[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+        gStat = cute.local_tile(mStat[None, head, batch], (self.tile_m,), (None,))
+        tXsX, tXgX = cpasync.tma_partition(tma_X, 0, cute.make_layout(1),
+                                           cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+        tSsS, tSgS = cpasync.tma_partition(tma_stat, 0, cute.make_layout(1),
+                                           cute.group_modes(sStat, 0, 1), cute.group_modes(gStat, 0, 1))
+        return tXsX, tXgX, tSsS, tSgS
 
     @cute.jit
-    def _consume(self, tma_dK, tma_dV, tma_dQ, mdK, mdV, mdQacc, mLSE, mDelta,
-                 mma_sdp, mma_dv, mma_dk, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
+    def _load_stage(self, atoms, views, pipe, state, m_block):
+        (tma_X, tma_stat), (tXsX, tXgX, tSsS, tSgS) = atoms, views
+        pipe.producer_acquire(state)
+        bar = pipe.producer_get_barrier(state)
+        cute.copy(tma_X, tXgX[None, m_block], tXsX[None, state.index], tma_bar_ptr=bar)
+        cute.copy(tma_stat, tSgS[None, m_block], tSsS[None, state.index], tma_bar_ptr=bar)
+
+    @cute.jit
+    def _by_query(self, tScS: cute.Tensor):
+        """(query, [(row, col), ...]) for each query this thread's S fragment touches: its
+        rows, or its columns when S is transposed. A statistic is loaded from smem once per
+        query, next to its use (loaded ahead, they would all be live at once)."""
+        rows, cols = cute.size(tScS, mode=[0]), cute.size(tScS, mode=[1])
+        if const_expr(self.swap_sdp):
+            return [(tScS[0, c][1], [(r, c) for r in range(rows)]) for c in range(cols)]
+        return [(tScS[r, 0][0], [(r, c) for c in range(cols)]) for r in range(rows)]
+
+    @cute.jit
+    def _consume(self, tma_dK, tma_dV, tma_dQ, mdK, mdV, mdQacc,
+                 mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
                  scale_log2, softmax_scale, n_block, kv_head, batch, group,
                  m_block_min, m_block_max, seqlen_q, seqlen_k):
         tidx = cute.arch.thread_idx()[0] - 128
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         warp_in_wg = cute.arch.make_warp_uniform((tidx // 32) % 4)
+        swap = self.swap_sdp
         sQ, sdO, sK, sV = smem["sQ"], smem["sdO"], smem["sK"], smem["sV"]
-        sP, sdS, sdQ = smem["sP"], smem["sdS"], smem["sdQ"]
+        sdS, sdQ, sLSE, sDelta = smem["sdS"], smem["sdQ"], smem["sLSE"], smem["sDelta"]
 
-        # WGMMA operands: smem descriptors per warpgroup
+        # WGMMA operands: smem descriptors per warpgroup. Transposed, K and V are the A
+        # operands of S^T and dP^T and the staged Q and dO the B operands.
         wg_sdp = mma_sdp.get_slice(wg_idx * 128)
-        tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
-        tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
-        tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
-        tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
-        wg_dv = mma_dv.get_slice(wg_idx * 128)
-        tdVrPt = wg_dv.make_fragment_A(wg_dv.partition_A(_transposed(sP)))
-        tdVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(_transposed(sdO)))
-        wg_dk = mma_dk.get_slice(wg_idx * 128)
-        tdKrdSt = wg_dk.make_fragment_A(wg_dk.partition_A(_transposed(sdS)))
-        tdKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(_transposed(sQ)))
+        if const_expr(swap):
+            tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+            tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+            tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+            tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        else:
+            tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
+            tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
+            tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
+            tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
+        wg_dkv = mma_dkv.get_slice(wg_idx * 128)
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sdO)))
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sQ)))
+        if const_expr(swap):
+            # P^T and dS^T as A operands from registers: the 16-bit copies of the S^T and
+            # dP^T accumulators, whose C layout holds the A layout's registers in order
+            thr_dkv = mma_dkv.get_slice(tidx)
+            a_regs = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((self.tile_n, self.tile_m))).layout
+        else:
+            sP = smem["sP"]
+            tdVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(_transposed(sP)))
+            tdKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(_transposed(sdS)))
         wg_dq = mma_dq.get_slice(wg_idx * 128)
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(_transposed(sdS) if const_expr(swap) else sdS))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sK)))
 
         # accumulators
-        sdp_shape = mma_sdp.partition_shape_C((self.tile_m, self.tile_n))
+        sdp_tile = (self.tile_n, self.tile_m) if const_expr(swap) else (self.tile_m, self.tile_n)
+        sdp_shape = mma_sdp.partition_shape_C(sdp_tile)
         acc_S = cute.make_rmem_tensor(sdp_shape, Float32)
         acc_dP = cute.make_rmem_tensor(sdp_shape, Float32)
-        dkv_shape = mma_dv.partition_shape_C((self.tile_n, self.head_dim))
+        dkv_shape = mma_dkv.partition_shape_C((self.tile_n, self.head_dim))
         acc_dV = cute.make_rmem_tensor(dkv_shape, Float32)
         acc_dK = cute.make_rmem_tensor(dkv_shape, Float32)
         acc_dQ = cute.make_rmem_tensor(mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
@@ -440,22 +518,21 @@ class FlashBwdSm90:
         acc_dK.fill(0.0)
         # (rows, cols) views of S / P and dP / dS, and of their coordinates in the tile
         acc_S_rc, acc_dP_rc = acc_as_rows_cols(acc_S), acc_as_rows_cols(acc_dP)
-        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        cS = cute.make_identity_tensor(sdp_tile)
         tScS = acc_as_rows_cols(mma_sdp.get_slice(tidx).partition_C(cS))
         t0ScS = acc_as_rows_cols(mma_sdp.get_slice(0).partition_C(cS))
         # P and dS registers -> smem with stmatrix
         store_PdS = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_sdp
         ).get_slice(tidx)
-        tPsP = store_PdS.partition_D(sP)
         tdSsdS = store_PdS.partition_D(sdS)
+        if const_expr(not swap):
+            tPsP = store_PdS.partition_D(sP)
         # dQ registers -> this warpgroup's fp32 smem tile (columns split across warpgroups)
         tdQsdQ = mma_dq.get_slice(tidx).partition_C(cute.group_modes(sdQ, 1, 3))
         sdQ_wg = cute.group_modes(sdQ[None, None, wg_idx], 0, 2)
 
-        # lse * log2(e) and delta of this thread's rows
-        row_lse = cute.make_rmem_tensor((cute.size(tScS, mode=[0]),), Float32)
-        row_delta = cute.make_rmem_tensor((cute.size(tScS, mode=[0]),), Float32)
+        by_query = self._by_query(tScS)
 
         consumer = pipeline.PipelineUserType.Consumer
         pipe_kv.consumer_wait(pipeline.make_pipeline_state(consumer, 1))
@@ -471,15 +548,17 @@ class FlashBwdSm90:
             head = kv_head * group + block // num_m
             m_block = m_block_min + block % num_m
             q_idx, do_idx = state_q.index, state_do.index
-            p_idx = 0 if const_expr(self.early_dv) else q_idx
-            # S = Q K^T in flight while lse and delta load
+            # S = Q K^T, then dP = dO V^T
             pipe_q.consumer_wait(state_q)
-            _wgmma(mma_sdp, acc_S, tSrQ[None, None, None, q_idx], tSrK, True)
-            self._row_stats(mLSE[batch, head, None], mDelta[batch, head, None], tScS, m_block,
-                            seqlen_q, row_lse, row_delta)
-            # dP = dO V^T joins S = Q K^T
+            if const_expr(swap):
+                _wgmma(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, q_idx], True)
+            else:
+                _wgmma(mma_sdp, acc_S, tSrQ[None, None, None, q_idx], tSrK, True)
             pipe_do.consumer_wait(state_do)
-            _wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, do_idx], tdPrV, True)
+            if const_expr(swap):
+                _wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do_idx], True)
+            else:
+                _wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, do_idx], tdPrV, True)
             warpgroup.wait_group(1)
 
             # P = exp2(S * scale * log2(e) - lse * log2(e))
@@ -488,42 +567,54 @@ class FlashBwdSm90:
                 needs_mask = needs_mask | (last_key > m_block * self.tile_m + offset)
             if needs_mask:
                 mask_scores(acc_S, tScS, t0ScS, m_block * self.tile_m, n_block * self.tile_n,
-                            seqlen_q, seqlen_k, self.causal, True)
-            for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
-                    acc_S_rc[r, c] = cute.math.exp2(
-                        acc_S_rc[r, c] * scale_log2 - row_lse[r], fastmath=True)
-            if const_expr(self.num_stages == 1):
-                # single P/dS buffer: both warpgroups are done with the previous block's
-                cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
-            rP = _to_dtype(acc_S, self.dtype)
-            cute.copy(store_PdS, store_PdS.retile(rP), tPsP[None, None, None, p_idx])
-            if const_expr(self.early_dv):
-                # this warpgroup's dV reads only the P columns it wrote: a warpgroup barrier
-                # publishes them, and dV runs on the tensor cores while dS forms
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=_BAR_P + wg_idx, number_of_threads=128)
-                _wgmma(mma_dv, acc_dV, tdVrPt[None, None, None, p_idx],
+                            seqlen_q, seqlen_k, self.causal, True, keys_in_rows=swap)
+            for query, coords in by_query:
+                lse_log2 = sLSE[query, q_idx]
+                for rc in coords:
+                    acc_S_rc[rc] = cute.math.exp2(acc_S_rc[rc] * scale_log2 - lse_log2,
+                                                  fastmath=True)
+            if const_expr(not swap):
+                rP = _to_dtype(acc_S, self.dtype)
+                if const_expr(self.num_stages == 1):
+                    # single P/dS buffer: both warpgroups are done with the previous block's
+                    cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
+                cute.copy(store_PdS, store_PdS.retile(rP), tPsP[None, None, None, q_idx])
+            elif const_expr(self.early_dv):
+                # dV += P^T dO straight from registers, on the tensor cores while dS forms
+                rP = _to_dtype(acc_S, self.dtype)
+                _wgmma(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
                        tdVrdOt[None, None, None, do_idx], False)
 
             # dS = P * (dP - delta)
             warpgroup.wait_group(1 if const_expr(self.early_dv) else 0)  # dP done
-            for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[1])):
-                    acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - row_delta[r])
+            for query, coords in by_query:
+                delta = sDelta[query, do_idx]
+                for rc in coords:
+                    acc_dP_rc[rc] = acc_S_rc[rc] * (acc_dP_rc[rc] - delta)
+            if const_expr(swap and not self.early_dv):
+                rP = _to_dtype(acc_S, self.dtype)
+                _wgmma(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
+                       tdVrdOt[None, None, None, do_idx], False)
             rdS = _to_dtype(acc_dP, self.dtype)
+            if const_expr(swap and self.num_stages == 1):
+                # single dS buffer: the other warpgroup's dQ of the previous block read it
+                cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
             cute.copy(store_PdS, store_PdS.retile(rdS), tdSsdS[None, None, None, q_idx])
             cute.arch.fence_proxy("async.shared", space="cta")
-            # dQ = dS K reads the dS (and a late dV the P) columns of both warpgroups
+            # dQ = dS K (and dV from smem P) read the columns of both warpgroups
             cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
 
-            if const_expr(not self.early_dv):
-                _wgmma(mma_dv, acc_dV, tdVrPt[None, None, None, p_idx],
+            if const_expr(not swap):
+                _wgmma(mma_dkv, acc_dV, tdVrPt[None, None, None, q_idx],
                        tdVrdOt[None, None, None, do_idx], False)
             # dQ = dS K, dK += dS^T Q
             _wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, q_idx], tdQrKt, True)
-            _wgmma(mma_dk, acc_dK, tdKrdSt[None, None, None, q_idx],
-                   tdKrQt[None, None, None, q_idx], False)
+            if const_expr(swap):
+                _wgmma(mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, a_regs),
+                       tdKrQt[None, None, None, q_idx], False)
+            else:
+                _wgmma(mma_dkv, acc_dK, tdKrdSt[None, None, None, q_idx],
+                       tdKrQt[None, None, None, q_idx], False)
             warpgroup.wait_group(1)  # dV and dQ done, dK still running
             pipe_do.consumer_release(state_do)
             state_do.advance()
@@ -536,7 +627,7 @@ class FlashBwdSm90:
 
         if warp_in_wg == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        self._store_dkv(acc_dK, acc_dV, softmax_scale, mma_dk, sK, sV, tma_dK, tma_dV,
+        self._store_dkv(acc_dK, acc_dV, softmax_scale, mma_dkv, sK, sV, tma_dK, tma_dV,
                         mdK, mdV, tidx, n_block, kv_head, batch)
 
     @cute.jit
@@ -605,8 +696,9 @@ def build(spec: KernelSpec):
     bhs = lambda: cute.runtime.make_fake_tensor(
         Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
         stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
-    delta = cute.runtime.make_fake_compact_tensor(
-        Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
+    # delta and lse * log2(e): (B, H, S_q padded to whole query blocks), TMA-loaded
+    padded_stat = lambda: cute.runtime.make_fake_compact_tensor(
+        Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(divisibility=_STAT_PAD)),
         stride_order=(2, 1, 0), assumed_align=16)
     dq_accum = cute.runtime.make_fake_compact_tensor(
         Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), head_dim),
@@ -616,7 +708,7 @@ def build(spec: KernelSpec):
         bshd(), bshd(), bshd(), bshd(), bshd(),  # dout, q, k, v, out
         bhs(),  # lse
         bshd(), bshd(), bshd(),  # dq, dk, dv
-        delta, dq_accum, Float32(1.0),
+        padded_stat(), padded_stat(), dq_accum, Float32(1.0),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return kernel, fake_args
@@ -650,6 +742,8 @@ def launch(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bo
     if fn is None:
         fn = _compiled[key] = get_compiled(_spec(_DTYPE_NAMES[q.dtype], q.shape[-1], causal))
     batch, seqlen_q, heads, head_dim = q.shape
-    delta = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    padded = -(-seqlen_q // _STAT_PAD) * _STAT_PAD
+    delta = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
+    lse_log2 = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
     dq_accum = torch.empty((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
-    fn(dout, q, k, v, out, lse, dq, dk, dv, delta, dq_accum, float(softmax_scale))
+    fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, float(softmax_scale))
