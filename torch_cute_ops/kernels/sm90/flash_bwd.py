@@ -18,9 +18,10 @@ One compiled function runs three kernels on the current stream:
      own 64 keys in registers: dV and dK take them as register A operands, and only dS
      goes through smem (stmatrix), for dQ. With 64-key blocks (head dims 192, 256) P and
      dS both go through smem. Each warpgroup writes its half of the dQ tile to smem and
-     adds it to the fp32 accumulator in global memory with one TMA reduce-add
-     (``cp.reduce.async.bulk.tensor``). Causal blocks above the diagonal are never loaded
-     nor computed;
+     moves on; causal blocks above the diagonal are never loaded nor computed;
+   * warps 1 and 2 (one per MMA warpgroup): add each dQ tile to the fp32 accumulator in
+     global memory with one TMA reduce-add (``cp.reduce.async.bulk.tensor``), handing
+     the smem tile back through a pair of named barriers;
 3. postprocess: convert the fp32 dQ accumulator to the input dtype.
 
 Determinism: dK and dV are deterministic (a CTA owns its key block and loops over the
@@ -71,7 +72,10 @@ _PRODUCER_REGS = 24
 _MMA_REGS = 240
 # named barriers (0 is __syncthreads)
 _BAR_MMA = 1  # both MMA warpgroups: P/dS ready, P/dS free, epilogue
-_BAR_DQ = 2  # + warpgroup index: the warpgroup's dQ smem tile
+# + MMA warpgroup index; the warpgroup and its dQ writer warp (128 + 32 threads)
+_BAR_DQ_FULL = 2  # the warpgroup's dQ tile is in smem
+_BAR_DQ_EMPTY = 4  # the writer's reduce-add has finished reading it
+_DQ_BAR_THREADS = 128 + 32
 
 
 def _transposed(t: cute.Tensor) -> cute.Tensor:
@@ -388,9 +392,12 @@ class FlashBwdSm90:
                               (mQ, mLSElog2), (mdO, mDelta), mK, mV, smem,
                               pipe_kv, pipe_q, pipe_do, n_block, kv_head, batch, group,
                               m_block_min, m_block_max)
+            elif warp_idx <= 2:
+                self._write_dq(tma_dQ, mdQacc, smem["sdQ"], warp_idx - 1, kv_head, batch, group,
+                               m_block_min, m_block_max)
         else:
             cute.arch.setmaxregister_increase(_MMA_REGS)
-            self._consume(tma_dK, tma_dV, tma_dQ, mdK, mdV, mdQacc,
+            self._consume(mdK, mdV, tma_dK, tma_dV,
                           mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
                           scale_log2, softmax_scale, n_block, kv_head, batch, group,
                           m_block_min, m_block_max, seqlen_q, seqlen_k)
@@ -465,13 +472,12 @@ class FlashBwdSm90:
         return [(tScS[r, 0][0], [(r, c) for c in range(cols)]) for r in range(rows)]
 
     @cute.jit
-    def _consume(self, tma_dK, tma_dV, tma_dQ, mdK, mdV, mdQacc,
+    def _consume(self, mdK, mdV, tma_dK, tma_dV,
                  mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
                  scale_log2, softmax_scale, n_block, kv_head, batch, group,
                  m_block_min, m_block_max, seqlen_q, seqlen_k):
         tidx = cute.arch.thread_idx()[0] - 128
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
-        warp_in_wg = cute.arch.make_warp_uniform((tidx // 32) % 4)
         swap = self.swap_sdp
         sQ, sdO, sK, sV = smem["sQ"], smem["sdO"], smem["sK"], smem["sV"]
         sdS, sdQ, sLSE, sDelta = smem["sdS"], smem["sdQ"], smem["sLSE"], smem["sDelta"]
@@ -530,7 +536,6 @@ class FlashBwdSm90:
             tPsP = store_PdS.partition_D(sP)
         # dQ registers -> this warpgroup's fp32 smem tile (columns split across warpgroups)
         tdQsdQ = mma_dq.get_slice(tidx).partition_C(cute.group_modes(sdQ, 1, 3))
-        sdQ_wg = cute.group_modes(sdQ[None, None, wg_idx], 0, 2)
 
         by_query = self._by_query(tScS)
 
@@ -618,33 +623,44 @@ class FlashBwdSm90:
             warpgroup.wait_group(1)  # dV and dQ done, dK still running
             pipe_do.consumer_release(state_do)
             state_do.advance()
-            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.dq_cols),
-                                  (m_block, wg_idx))
-            self._reduce_dq(acc_dQ, tdQsdQ, tma_dQ, sdQ_wg, gdQ, softmax_scale, wg_idx, warp_in_wg)
+            # dQ (times the softmax scale) -> smem, for the writer warp's reduce-add
+            cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg_idx, number_of_threads=_DQ_BAR_THREADS)
+            tdQsdQ.store(acc_dQ.load() * softmax_scale)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg_idx,
+                                     number_of_threads=_DQ_BAR_THREADS)
             warpgroup.wait_group(0)
             pipe_q.consumer_release(state_q)
             state_q.advance()
 
-        if warp_in_wg == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
         self._store_dkv(acc_dK, acc_dV, softmax_scale, mma_dkv, sK, sV, tma_dK, tma_dV,
                         mdK, mdV, tidx, n_block, kv_head, batch)
 
     @cute.jit
-    def _reduce_dq(self, acc_dQ, tdQsdQ, tma_dQ, sdQ_wg, gdQ, softmax_scale, wg_idx, warp_in_wg):
-        """Add this warpgroup's dQ tile (times the softmax scale) to the fp32 accumulator."""
-        bar = _BAR_DQ + wg_idx
-        if warp_in_wg == 0:  # the previous reduce-add has finished reading the tile
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=bar, number_of_threads=128)
-        tdQsdQ.store(acc_dQ.load() * softmax_scale)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=bar, number_of_threads=128)
-        if warp_in_wg == 0:
-            tdQsdQ_tma, tdQgdQ = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), sdQ_wg,
-                                                       cute.group_modes(gdQ, 0, 2))
-            cute.copy(tma_dQ, tdQsdQ_tma, tdQgdQ)
+    def _write_dq(self, tma_dQ, mdQacc, sdQ, wg, kv_head, batch, group, m_block_min, m_block_max):
+        """Writer warp of MMA warpgroup ``wg``: adds each of its dQ tiles to the fp32
+        accumulator with one TMA reduce-add, off the warpgroup's critical path."""
+        sdQ_wg = cute.group_modes(sdQ[None, None, wg], 0, 2)
+        num_m = m_block_max - m_block_min
+        num_blocks = group * num_m
+        if num_blocks > 0:  # (no arrival left pending at exit)
+            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
+                                     number_of_threads=_DQ_BAR_THREADS)
+        for block in cutlass.range(num_blocks, unroll=1):
+            head = kv_head * group + block // num_m
+            m_block = m_block_min + block % num_m
+            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.dq_cols),
+                                  (m_block, wg))
+            tdQsdQ, tdQgdQ = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), sdQ_wg,
+                                                   cute.group_modes(gdQ, 0, 2))
+            cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_DQ_BAR_THREADS)
+            cute.copy(tma_dQ, tdQsdQ, tdQgdQ)
             cute.arch.cp_async_bulk_commit_group()
+            if block + 1 < num_blocks:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
+                                         number_of_threads=_DQ_BAR_THREADS)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _store_dkv(self, acc_dK, acc_dV, softmax_scale, mma_dkv, sK, sV, tma_dK, tma_dV,
