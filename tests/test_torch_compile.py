@@ -73,3 +73,23 @@ def test_sdpa_override_under_compile_traces_the_ops():
         out = torch.compile(fn, backend=backend, fullgraph=True)(q)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, is_causal=True))
     assert "cute.flash_attn_fwd" in graphs[0].code
+
+
+def test_fallback_under_compile_is_counted_once_per_graph():
+    """A case the kernels do not cover (here an explicit mask, as transformers passes under
+    torch.compile) still reaches PyTorch inside the graph, and is counted when traced."""
+    torch._dynamo.reset()
+    tco.ops.fallback.reset()
+    q = torch.randn(2, 4, 9, 16)
+    mask = torch.ones(9, 9, dtype=torch.bool).tril()
+
+    def fn(q):
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+    with tco.sdpa_override():
+        compiled = torch.compile(fn, backend="eager", fullgraph=True)
+        out = compiled(q)
+        compiled(q)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+    assert tco.fallback_counts() == {
+        ("scaled_dot_product_attention", "attn_mask is not supported by the kernels"): 1}

@@ -34,15 +34,29 @@ def note(op: str, reason: str) -> None:
         raise FallbackError(f"torch_cute_ops.{op}: no kernel for this case ({reason}) and "
                             "TORCH_CUTE_OPS_STRICT=1 forbids the reference fallback")
     if torch.compiler.is_compiling():
-        return  # traced code records nothing; the op's own runtime path still counts
+        _note_traced(op, reason)
+    else:
+        _record(op, reason)
+
+
+def _record(op: str, reason: str) -> None:
     key = (op, reason)
     if key not in _counts:
         log.warning("torch_cute_ops.%s falls back to the PyTorch reference: %s", op, reason)
     _counts[key] += 1
 
 
+@torch.compiler.assume_constant_result
+def _note_traced(op: str, reason: str) -> bool:
+    """Under torch.compile the choice is made once, while tracing: record it then (one count
+    per compiled graph, not per call), as plain Python that the graph does not capture."""
+    _record(op, reason)
+    return True
+
+
 def counts() -> dict[tuple[str, str], int]:
-    """How often each (op, reason) fell back in this process."""
+    """How often each (op, reason) fell back in this process (eager calls, plus one per
+    compiled graph that traced the fallback)."""
     return dict(_counts)
 
 
