@@ -23,6 +23,7 @@ warpgroup owns 64 query rows of a ``tile_m = 64 * num_wg`` query block.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache, partial
 
@@ -556,13 +557,15 @@ class FlashFwdSm90:
 
 
 def _spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a") -> KernelSpec:
-    return KernelSpec.make(FAMILY_NAME, arch, dtype=dtype, head_dim=head_dim, causal=causal)
+    config = dataclasses.astuple(config_for(head_dim))  # in the key: a new config recompiles
+    return KernelSpec.make(FAMILY_NAME, arch, dtype=dtype, head_dim=head_dim, causal=causal,
+                           config=config)
 
 
 def build(spec: KernelSpec):
     dtype = _CUTE_DTYPE[spec["dtype"]]
     head_dim, causal = spec["head_dim"], spec["causal"]
-    kernel = FlashFwdSm90(dtype, head_dim, causal, config_for(head_dim))
+    kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]))
 
     def bhsd(elem):
         # (B, S, H, D), any strides but the last; 16-byte aligned rows for TMA
