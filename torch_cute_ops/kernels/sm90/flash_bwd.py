@@ -144,9 +144,6 @@ class FlashBwdSm90:
         # registers, exactly the A operands of dV += P^T dO and dK += dS^T Q, and only dS
         # goes through smem (for dQ). Narrower key blocks split S by keys along N instead.
         self.swap_sdp = tile_n == 128
-        # Issuing dV before dS forms (to overlap it) keeps P's 16-bit copy live next to the
-        # S and dP accumulators: affordable with 64-row query tiles, not with 128.
-        self.early_dv = self.swap_sdp and tile_m == 64
         # dK, dV tile (tile_n, head_dim) split over the two MMA warpgroups
         self.dkv_atoms = (2, 1) if self.swap_sdp else (1, 2)
 
@@ -578,28 +575,23 @@ class FlashBwdSm90:
                 for rc in coords:
                     acc_S_rc[rc] = cute.math.exp2(acc_S_rc[rc] * scale_log2 - lse_log2,
                                                   fastmath=True)
-            if const_expr(not swap):
-                rP = _to_dtype(acc_S, self.dtype)
+            rP = _to_dtype(acc_S, self.dtype)
+            if const_expr(swap):
+                # dV += P^T dO straight from registers, on the tensor cores while dS forms
+                _wgmma(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
+                       tdVrdOt[None, None, None, do_idx], False)
+            else:
                 if const_expr(self.num_stages == 1):
                     # single P/dS buffer: both warpgroups are done with the previous block's
                     cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
                 cute.copy(store_PdS, store_PdS.retile(rP), tPsP[None, None, None, q_idx])
-            elif const_expr(self.early_dv):
-                # dV += P^T dO straight from registers, on the tensor cores while dS forms
-                rP = _to_dtype(acc_S, self.dtype)
-                _wgmma(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
-                       tdVrdOt[None, None, None, do_idx], False)
 
             # dS = P * (dP - delta)
-            warpgroup.wait_group(1 if const_expr(self.early_dv) else 0)  # dP done
+            warpgroup.wait_group(1 if const_expr(swap) else 0)  # dP done (dV in flight)
             for query, coords in by_query:
                 delta = sDelta[query, do_idx]
                 for rc in coords:
                     acc_dP_rc[rc] = acc_S_rc[rc] * (acc_dP_rc[rc] - delta)
-            if const_expr(swap and not self.early_dv):
-                rP = _to_dtype(acc_S, self.dtype)
-                _wgmma(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
-                       tdVrdOt[None, None, None, do_idx], False)
             rdS = _to_dtype(acc_dP, self.dtype)
             if const_expr(swap and self.num_stages == 1):
                 # single dS buffer: the other warpgroup's dQ of the previous block read it
