@@ -23,7 +23,9 @@ import math
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -61,6 +63,32 @@ class DslState:
             setattr(new, name, cutlass.new_from_mlir_values(getattr(self, name), values[:count]))
             values = values[count:]
         return new
+
+
+# ---------------------------------------------------------------------------
+# WGMMA tiling and operand views
+# ---------------------------------------------------------------------------
+
+
+def tiled_wgmma(dtype, a_major, b_major, tile_mn, atoms_mn=(1, 1),
+                a_source=warpgroup.OperandSource.SMEM) -> cute.TiledMma:
+    """fp32-accumulating WGMMA over a (tile_m, tile_n) tile, ``atoms_mn`` warpgroups along
+    M and N; a WGMMA atom is 64 rows high, so taller per-warpgroup tiles repeat it."""
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, a_major, b_major, Float32,
+        atom_layout_mnk=(*atoms_mn, 1),
+        tiler_mn=(min(64, tile_mn[0] // atoms_mn[0]), tile_mn[1] // atoms_mn[1]),
+        a_source=a_source,
+    )
+
+
+def transposed_view(t: cute.Tensor) -> cute.Tensor:
+    """An smem tile with its first two modes swapped, trailing (stage) modes kept: a
+    row-major tile read as an MN-major operand."""
+    rows, cols = cute.size(t, mode=[0]), cute.size(t, mode=[1])
+    shape = (cols, rows, *[cute.size(t, mode=[i]) for i in range(2, cute.rank(t))])
+    stride = (rows, 1, *[rows * cols] * (cute.rank(t) - 2))
+    return cute.composition(t, cute.make_layout(shape, stride=stride))
 
 
 # ---------------------------------------------------------------------------

@@ -35,19 +35,22 @@ Extra memory: delta and lse * log2(e) (2 x B*H*S_q fp32, padded) and the dQ accu
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from .. import KernelFamily
 from ..common.compile_cache import KernelSpec, get_compiled
-from ..common.flash_common import LOG2_E, acc_as_rows_cols, convert_to_16bit, mask_scores, qkv_coverage_reason
+from ..common.flash_common import (
+    LOG2_E, acc_as_rows_cols, convert_to_16bit, mask_scores, qkv_coverage_reason, tiled_wgmma,
+    transposed_view,
+)
 
 FAMILY_NAME = "flash_bwd_sm90"
 HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -76,14 +79,6 @@ _BAR_MMA = 1  # both MMA warpgroups: P/dS ready, P/dS free, epilogue
 _BAR_DQ_FULL = 2  # the warpgroup's dQ tile is in smem
 _BAR_DQ_EMPTY = 4  # the writer's reduce-add has finished reading it
 _DQ_BAR_THREADS = 128 + 32
-
-
-def _transposed(t: cute.Tensor) -> cute.Tensor:
-    """A view of an smem tile with its first two modes swapped (trailing modes kept)."""
-    rows, cols = cute.size(t, mode=[0]), cute.size(t, mode=[1])
-    shape = (cols, rows, *[cute.size(t, mode=[i]) for i in range(2, cute.rank(t))])
-    stride = (rows, 1, *[rows * cols] * (cute.rank(t) - 2))
-    return cute.composition(t, cute.make_layout(shape, stride=stride))
 
 
 def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None,
@@ -152,15 +147,7 @@ class FlashBwdSm90:
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
 
         sources = warpgroup.OperandSource
-
-        def tiled(a_major, b_major, tile_mn, atoms_mn, a_source=sources.SMEM):
-            return sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, a_major, b_major, Float32,
-                atom_layout_mnk=(*atoms_mn, 1),
-                # a WGMMA atom is 64 rows high: taller tiles repeat it
-                tiler_mn=(min(64, tile_mn[0] // atoms_mn[0]), tile_mn[1] // atoms_mn[1]),
-                a_source=a_source,
-            )
+        tiled = partial(tiled_wgmma, self.dtype)
 
         swap = self.swap_sdp
         if swap:  # S^T = K Q^T and dP^T = V dO^T: (tile_n, tile_m), warpgroups split the keys
@@ -299,7 +286,7 @@ class FlashBwdSm90:
         seqlen_q = mO.shape[1]
         b, s, h, lane, valid = self._row_coords(mO.shape[0], mDelta.shape[2], mO.shape[2])
         in_seq = valid & (s < seqlen_q)
-        partial = Float32(0.0)
+        row_sum = Float32(0.0)
         if in_seq:
             o_row, do_row, acc_row = mO[b, s, h, None], mdO[b, s, h, None], mdQacc[b, s, h, None]
             zeros = cute.make_rmem_tensor((8,), Float32)
@@ -308,10 +295,10 @@ class FlashBwdSm90:
                 chunk = lane + k * self.threads_per_row
                 o = cute.local_tile(o_row, (8,), (chunk,)).load().to(Float32)
                 do = cute.local_tile(do_row, (8,), (chunk,)).load().to(Float32)
-                partial += (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                row_sum += (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 cute.autovec_copy(zeros, cute.local_tile(acc_row, (8,), (chunk,)))
         # every lane shuffles, valid row or not: the groups never straddle rows
-        total = cute.arch.warp_reduction_sum(partial, threads_in_group=self.threads_per_row)
+        total = cute.arch.warp_reduction_sum(row_sum, threads_in_group=self.threads_per_row)
         if valid:
             if lane == 0:
                 # rows past seqlen_q and rows that attend to nothing (lse = -inf) get
@@ -493,8 +480,8 @@ class FlashBwdSm90:
             tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
             tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
         wg_dkv = mma_dkv.get_slice(wg_idx * 128)
-        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sdO)))
-        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sQ)))
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sdO)))
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sQ)))
         if const_expr(swap):
             # P^T and dS^T as A operands from registers: the 16-bit copies of the S^T and
             # dP^T accumulators, whose C layout holds the A layout's registers in order
@@ -502,11 +489,11 @@ class FlashBwdSm90:
             a_regs = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((self.tile_n, self.tile_m))).layout
         else:
             sP = smem["sP"]
-            tdVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(_transposed(sP)))
-            tdKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(_transposed(sdS)))
+            tdVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transposed_view(sP)))
+            tdKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transposed_view(sdS)))
         wg_dq = mma_dq.get_slice(wg_idx * 128)
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(_transposed(sdS) if const_expr(swap) else sdS))
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed(sK)))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transposed_view(sdS) if const_expr(swap) else sdS))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
 
         # accumulators
         sdp_tile = (self.tile_n, self.tile_m) if const_expr(swap) else (self.tile_m, self.tile_n)

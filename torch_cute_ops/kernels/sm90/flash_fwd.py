@@ -51,6 +51,8 @@ from ..common.flash_common import (
     mask_scores,
     qkv_coverage_reason,
     scale_rows,
+    tiled_wgmma,
+    transposed_view,
 )
 
 FAMILY_NAME = "flash_fwd_sm90"
@@ -93,13 +95,6 @@ def _smem_layout(dtype, rows: int, cols: int, stages: int):
         sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
     )
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
-
-
-def _transpose_view(t: cute.Tensor) -> cute.Tensor:
-    """Swap the first two modes of an smem tensor (V as the MN-major B operand)."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
 
 
 def _select(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
@@ -185,25 +180,10 @@ class FlashFwdSm90:
         v_layout = _smem_layout(self.dtype, self.tile_n, D, self.num_stages)
         slab_layout = cute.select(q_layout, mode=[0, 1])
 
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K,
-            Float32,
-            atom_layout_mnk=(1, 1, 1),
-            tiler_mn=(64, self.tile_n),
-        )
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.MN,
-            Float32,
-            atom_layout_mnk=(1, 1, 1),
-            tiler_mn=(64, D),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
+        k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        tiled_mma_qk = tiled_wgmma(self.dtype, k_major, k_major, (64, self.tile_n))
+        tiled_mma_pv = tiled_wgmma(self.dtype, k_major, mn_major, (64, D),
+                                   a_source=warpgroup.OperandSource.RMEM)
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, slab_layout, (64, D))
@@ -402,7 +382,7 @@ class FlashFwdSm90:
         sQ_wg = sQ[None, None, wg]
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_wg))
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
-        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(_transpose_view(sV)))
+        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(transposed_view(sV)))
         tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, self.tile_n)))
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, D)), Float32)
         acc_s_shape = thr_qk.partition_shape_C((64, self.tile_n))
