@@ -18,7 +18,8 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 
 import torch
 
@@ -114,7 +115,7 @@ def _fa4(q, k, v, shape: Shape, backward: bool):
     return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
 
-def _cute(q, k, v, shape: Shape, backward: bool):
+def _cute(q, k, v, shape: Shape, backward: bool, fwd_overrides=None):
     scale = 1.0 / math.sqrt(shape.head_dim)
     if not backward:
         from torch_cute_ops.kernels.sm90 import flash_fwd
@@ -124,7 +125,14 @@ def _cute(q, k, v, shape: Shape, backward: bool):
             return reason
         out = torch.empty_like(q)
         lse = torch.empty(shape.batch, shape.heads, shape.seqlen, device=q.device)
-        return lambda: flash_fwd.launch(q, k, v, out, lse, scale, shape.causal)
+        config, max_ctas = None, None
+        if fwd_overrides:
+            fields = dict(fwd_overrides)
+            if fields.pop("per_tile", False):
+                max_ctas = 2**31 - 1  # the grid is clipped to the tile count
+            config = flash_fwd.config_for(shape.head_dim, shape.causal)
+            config = replace(config, **{key: type(getattr(config, key))(value) for key, value in fields.items()})
+        return lambda: flash_fwd.launch(q, k, v, out, lse, scale, shape.causal, config, max_ctas)
 
     import torch_cute_ops  # noqa: F401  (registers torch.ops.cute)
     from torch_cute_ops.ops import fallback
@@ -269,8 +277,9 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
     parser.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
-    parser.add_argument("--fwd-schedule", choices=("default", "persistent", "per-tile"),
-                        default="default", help="experiment: forward CTAs, one per SM or per tile")
+    parser.add_argument("--fwd-config", action="append", default=[], metavar="NAME=FIELD:VALUE,...",
+                        help="experiment: also time the forward with these FwdConfig fields changed "
+                        "(per_tile:1 = one CTA per tile), as provider cute-NAME")
     parser.add_argument("--bwd-tile", action="append", default=[], metavar="D=MxNxS",
                         help="experiment: backward tile_m x tile_n x stages for head dim D")
     args = parser.parse_args()
@@ -279,13 +288,13 @@ def main() -> None:
         head_dim, tile = override.split("=")
         flash_bwd.TILE_CONFIGS[int(head_dim)] = tuple(int(x) for x in tile.split("x"))
         print(f"backward tile for head dim {head_dim}: {tile}")
-    if args.fwd_schedule != "default":
-        from torch_cute_ops.kernels.sm90 import flash_fwd
-        per_tile = args.fwd_schedule == "per-tile"
-        flash_fwd._max_ctas = lambda device, *_: (
-            flash_fwd._ONE_CTA_PER_TILE if per_tile else flash_fwd._num_sms(device))
-        print(f"forward schedule: {args.fwd_schedule}")
     providers = [p for p in args.providers.split(",") if p]
+    for variant in args.fwd_config:
+        name, fields = variant.split("=")
+        overrides = {key: int(value) for key, value in (f.split(":") for f in fields.split(","))}
+        PROVIDERS[f"cute-{name}"] = partial(_cute, fwd_overrides=overrides)
+        providers.append(f"cute-{name}")
+        print(f"cute-{name}: forward config changes {overrides}")
     rows = []
     head_dims = [int(d) for d in args.head_dims.split(",")]
     seqlens = [int(s) for s in args.seqlens.split(",")]

@@ -50,7 +50,7 @@ def test_fa3_instruction_mix(ptx_by_variant, variant):
     rs = [line for line in lines if re.search(r"\},\s*\{[^}]*\},\s*%rd", line)]
     ss = [line for line in lines if re.search(r"\},\s*%rd\d+,\s*%rd\d+", line)]
     assert rs and ss, f"expected SS and RS wgmma, got {len(ss)} SS / {len(rs)} RS"
-    tile_n = flash_fwd.config_for(head_dim).tile_n
+    tile_n = flash_fwd.config_for(head_dim, causal).tile_n
     assert all(f"m64n{tile_n}k16.f32.{ab}" in line for line in ss)
     assert all(f"m64n{head_dim}k16.f32.{ab}" in line for line in rs)
 
@@ -70,6 +70,12 @@ def test_fa3_instruction_mix(ptx_by_variant, variant):
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
+def test_causal_variant_schedules_dynamically(ptx_by_variant):
+    """Causal tiles are claimed from a global counter; equal-length ones are scheduled statically."""
+    assert re.search(r"atom(\.\w+)*\.add", ptx_by_variant[("bf16", 128, True)])
+    assert not re.search(r"atom(\.\w+)*\.add", ptx_by_variant[("bf16", 128, False)])
+
+
 def test_causal_variant_masks_more(ptx_by_variant):
     """The causal variant has its own masked loop: more WGMMAs than the full one."""
     full = len(wgmma_lines(ptx_by_variant[("bf16", 128, False)]))
@@ -82,7 +88,7 @@ def test_shipped_variants():
     assert flash_fwd._spec("bf16", 128, True) in specs and len(specs) <= 8
     assert flash_fwd.shipped("sm_100a") == []
     for head_dim in flash_fwd.HEAD_DIMS:
-        cfg = flash_fwd.config_for(head_dim)
+        cfg = flash_fwd.config_for(head_dim, False)
         o_tile = cfg.tile_m if cfg.separate_o else 0
         smem = 2 * head_dim * (cfg.tile_m + o_tile + 2 * cfg.num_stages * cfg.tile_n)
         assert smem <= 227 * 1024, (head_dim, smem)

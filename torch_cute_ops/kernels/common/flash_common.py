@@ -8,9 +8,10 @@
 * :func:`mask_scores`: -inf outside the causal band and past ``seqlen_k``;
 * :class:`OnlineSoftmax`: running row max / row sum in fp32 with exp2 and the
   softmax scale folded into one FFMA per score;
-* :class:`AttentionTileScheduler`: a static persistent scheduler over
-  (query block, head, batch) tiles that orders causal tiles longest-first and
-  keeps the heads in flight few enough for their K/V to stay in L2.
+* :class:`AttentionTileScheduler`: a persistent scheduler (static, or dynamic with
+  an atomic tile counter) over (query block, head, batch) tiles that orders causal
+  tiles longest-first and keeps the heads in flight few enough for their K/V to
+  stay in L2; :class:`TileSource` hands its tiles to the producer and consumers.
 
 Everything here is a ``cute.jit`` helper or a plain Python object of DSL values;
 nothing launches on its own.
@@ -338,14 +339,20 @@ def scale_rows(acc_o: cute.Tensor, row_scale: cute.Tensor):
 
 
 class AttentionTileScheduler(DslState):
-    """Static persistent schedule of (m_block, head, batch) tiles.
+    """Persistent schedule of (m_block, head, batch) tiles, static or dynamic.
 
-    CTA ``c`` of ``G`` takes one tile per wave of ``G`` tiles. Tiles are numbered in
-    sections of ``heads_per_section`` (batch, head) pairs; inside a section the
-    query block is the slow index and the head the fast one, so the CTAs in flight
-    share the K/V of a few heads (L2 reuse). With ``longest_first`` (causal) query
-    blocks run from the last (most keys) to the first, so short tiles fill the
-    tail of the schedule.
+    Tiles are numbered in sections of ``heads_per_section`` (batch, head) pairs;
+    inside a section the query block is the slow index and the head the fast one,
+    so the CTAs in flight share the K/V of a few heads (L2 reuse). With
+    ``longest_first`` (causal) query blocks run from the last (most keys) to the
+    first, so short tiles fill the tail of the schedule.
+
+    * static: CTA ``c`` of ``G`` takes one tile per wave of ``G`` tiles, in snake
+      order (:meth:`tile_of`); the work index advances by one.
+    * dynamic: the work index is the tile itself. A CTA starts at its block index
+      and then takes ``G + atomic_add(counter, 1)``: tiles are handed out in order
+      to whichever CTA frees up first (longest-processing-time first for causal),
+      and the kernel still prefetches the next tile under the current one.
     """
 
     dynamic_fields = ("num_m_blocks", "num_heads", "num_bh", "heads_per_section", "num_tiles")
@@ -357,12 +364,14 @@ class AttentionTileScheduler(DslState):
         num_batch: Int32,
         heads_per_section: Int32,
         longest_first: bool,
+        dynamic: bool = False,
     ):
         self.num_m_blocks = num_m_blocks
         self.num_heads = num_heads
         self.num_bh = num_heads * num_batch
         self.heads_per_section = heads_per_section
         self.longest_first = longest_first
+        self.dynamic = dynamic
         self.num_tiles = num_m_blocks * self.num_bh
 
     @staticmethod
@@ -371,16 +380,29 @@ class AttentionTileScheduler(DslState):
         per_head = cutlass.max(seqlen_k, 1) * kv_bytes_per_key
         return cutlass.max(cutlass.min(L2_KV_BUDGET_BYTES // per_head, num_bh), 1)
 
-    # A CTA walks "work" indices 0, 1, 2, ...; work w of CTA c is tile w * G + c on even
-    # waves and w * G + (G - 1 - c) on odd ones (snake order), so that a CTA that got
-    # one of the longest tiles of a wave gets one of the shortest of the next.
+    # Static: work w of CTA c is tile w * G + c on even waves and w * G + (G - 1 - c) on
+    # odd ones (snake order), so that a CTA that got one of the longest tiles of a wave
+    # gets one of the shortest of the next.
     def first_tile(self) -> Int32:
+        if const_expr(self.dynamic):
+            return Int32(cute.arch.block_idx()[0])
         return Int32(0)
 
     def next_tile(self, work: Int32) -> Int32:
+        """Static schedules only; a dynamic one asks :meth:`claim_tile`."""
         return work + 1
 
+    @cute.jit
+    def claim_tile(self, counter: cute.Tensor) -> Int32:
+        """Dynamic schedules: the next unclaimed tile (call from one whole warp)."""
+        claimed = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            claimed = cute.arch.atomic_add(counter.iterator, Int32(1))
+        return Int32(cute.arch.grid_dim()[0]) + cute.arch.shuffle_sync(claimed, 0)
+
     def tile_of(self, work: Int32) -> Int32:
+        if const_expr(self.dynamic):
+            return work
         ctas = Int32(cute.arch.grid_dim()[0])
         cta = Int32(cute.arch.block_idx()[0])
         odd = work % 2
@@ -405,6 +427,53 @@ class AttentionTileScheduler(DslState):
         batch = bh // self.num_heads
         head = bh - batch * self.num_heads
         return m_block, head, batch
+
+
+class TileSource(DslState):
+    """Where the producer warp and the consumer warpgroups of a kernel get their next tile.
+
+    A static schedule computes it in every role. A dynamic one has the producer warp
+    claim it right after issuing the current tile's loads and pass it on through a
+    two-slot smem pipeline, so the consumers walk the same tiles one step behind.
+    """
+
+    dynamic_fields = ("scheduler", "pipe", "slots", "counter")
+
+    def __init__(self, scheduler: AttentionTileScheduler, pipe, slots: cute.Tensor, counter: cute.Tensor):
+        self.scheduler = scheduler
+        self.pipe = pipe  # PipelineAsync(2 stages): producer warp -> consumer threads
+        self.slots = slots  # (2,) Int32 in smem
+        self.counter = counter
+
+    @cute.jit
+    def produce_next(self, tile: Int32, state) -> tuple:
+        """The producer warp's next tile (published to the consumers when dynamic) and the
+        advanced slot state; the caller reassigns both (a loop carries only what it assigns)."""
+        next_tile = tile
+        if const_expr(self.scheduler.dynamic):
+            next_tile = self.scheduler.claim_tile(self.counter)
+            self.pipe.producer_acquire(state)
+            if cute.arch.lane_idx() == 0:
+                self.slots[state.index] = next_tile
+            self.pipe.producer_commit(state)
+            state.advance()
+        else:
+            next_tile = self.scheduler.next_tile(tile)
+        return next_tile, state
+
+    @cute.jit
+    def consume_next(self, tile: Int32, state) -> tuple:
+        """A consumer thread's next tile (the one the producer warp published) and the
+        advanced slot state."""
+        next_tile = tile
+        if const_expr(self.scheduler.dynamic):
+            self.pipe.consumer_wait(state)
+            next_tile = self.slots[state.index]
+            self.pipe.consumer_release(state)
+            state.advance()
+        else:
+            next_tile = self.scheduler.next_tile(tile)
+        return next_tile, state
 
 
 # ---------------------------------------------------------------------- host side

@@ -15,8 +15,10 @@ warpgroup owns 64 query rows of a ``tile_m = 64 * num_wg`` query block.
   one WG's softmax runs under another's GEMMs;
 * causal masks only on the key blocks that cross the diagonal; blocks fully
   above it are never loaded;
-* a static persistent scheduler (``flash_common.AttentionTileScheduler``), causal
-  tiles longest-first;
+* a persistent scheduler (``flash_common.AttentionTileScheduler``): static for
+  equal-length tiles; causal tiles longest-first and claimed dynamically from an
+  atomic counter by the producer warp, which passes each claim to the consumers
+  through smem, so the next tile's loads overlap the current tile's epilogue;
 * epilogue: O normalized in registers, written to the WG's Q slab in smem and
   stored with TMA (rows past seqlen_q are clipped by TMA); LSE from registers.
 """
@@ -45,6 +47,7 @@ from ..common.flash_common import (
     AttentionTileScheduler,
     KeyRange,
     OnlineSoftmax,
+    TileSource,
     acc_as_operand_a,
     acc_as_rows_cols,
     convert_to_16bit,
@@ -71,6 +74,8 @@ class FwdConfig:
     num_stages: int
     pingpong: bool  # round-robin the tensor cores between consumer WGs
     separate_o: bool  # O has its own smem; else it reuses Q's (no room at D >= 192)
+    # tiles handed out by an atomic counter (see AttentionTileScheduler), else static
+    dynamic_schedule: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -78,15 +83,18 @@ class FwdConfig:
 
 
 @lru_cache(maxsize=None)
-def config_for(head_dim: int) -> FwdConfig:
+def config_for(head_dim: int, causal: bool) -> FwdConfig:
     """Tile shapes that fit 227 KB of smem and the register budget (FA3's choices)."""
     if head_dim <= 64:
-        return FwdConfig(tile_n=128, num_wg=3, num_stages=2, pingpong=True, separate_o=True)
-    if head_dim <= 128:
-        return FwdConfig(tile_n=128, num_wg=2, num_stages=2, pingpong=True, separate_o=True)
-    if head_dim <= 192:
-        return FwdConfig(tile_n=112, num_wg=2, num_stages=2, pingpong=False, separate_o=False)
-    return FwdConfig(tile_n=80, num_wg=2, num_stages=2, pingpong=False, separate_o=False)
+        tiles = FwdConfig(tile_n=128, num_wg=3, num_stages=2, pingpong=True, separate_o=True)
+    elif head_dim <= 128:
+        tiles = FwdConfig(tile_n=128, num_wg=2, num_stages=2, pingpong=True, separate_o=True)
+    elif head_dim <= 192:
+        tiles = FwdConfig(tile_n=112, num_wg=2, num_stages=2, pingpong=False, separate_o=False)
+    else:
+        tiles = FwdConfig(tile_n=80, num_wg=2, num_stages=2, pingpong=False, separate_o=False)
+    # causal tiles differ in length: whichever CTA frees up takes the next longest
+    return dataclasses.replace(tiles, dynamic_schedule=causal)
 
 
 def _smem_layout(dtype, rows: int, cols: int, stages: int):
@@ -149,6 +157,7 @@ class FlashFwdSm90:
         self.num_stages = config.num_stages
         self.pingpong = config.pingpong and config.num_wg > 1
         self.separate_o = config.separate_o
+        self.dynamic_schedule = config.dynamic_schedule
         # Where O takes the max correction. With ping-pong the WG holding the tensor-core
         # turn must issue at once, so O is rescaled after the softmax, off that path;
         # without it, rescaling while S is computed hides the FMULs (large O at D >= 192).
@@ -166,6 +175,7 @@ class FlashFwdSm90:
         mV: cute.Tensor,  # (B, S_k, H_kv, D)
         mO: cute.Tensor,  # (B, S_q, H_q, D)
         mLSE: cute.Tensor,  # (B, H_q, S_q) fp32
+        mTileCounter: cute.Tensor,  # (1,) int32, zero: the dynamic schedule's claims
         softmax_scale: Float32,
         max_ctas: Int32,
         stream: cuda.CUstream,
@@ -207,6 +217,8 @@ class FlashFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_tile: cute.struct.MemRange[cutlass.Int64, 4 if self.dynamic_schedule else 0]
+            next_tile: cute.struct.MemRange[Int32, 2 if self.dynamic_schedule else 0]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(k_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], 1024]
@@ -221,7 +233,7 @@ class FlashFwdSm90:
         )
         num_tiles = num_m_blocks * num_heads * batch
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE,
+            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mTileCounter,
             tma_q, tma_k, tma_v, tma_o,
             tiled_mma_qk, tiled_mma_pv,
             q_layout, k_layout, v_layout,
@@ -245,6 +257,7 @@ class FlashFwdSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mTileCounter: cute.Tensor,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -286,6 +299,17 @@ class FlashFwdSm90:
                 (storage.mbar_v, self.num_stages, tx_bytes_v),
             )
         ]
+        pipe_tile, tile_slots = None, None
+        if const_expr(self.dynamic_schedule):
+            # the next tile, claimed by the producer warp, read by every consumer thread
+            pipe_tile = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_tile.data_ptr(),
+                num_stages=2,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_wg),
+                defer_sync=True,
+            )
+            tile_slots = storage.next_tile.get_tensor(cute.make_layout(2))
         pipeline.pipeline_init_arrive()
 
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
@@ -296,30 +320,34 @@ class FlashFwdSm90:
             sO = storage.sO.get_tensor(q_layout.outer, swizzle=q_layout.inner)
 
         scheduler = AttentionTileScheduler(
-            num_m_blocks, mQ.shape[2], mQ.shape[3], heads_per_section, self.causal
+            num_m_blocks, mQ.shape[2], mQ.shape[3], heads_per_section, self.causal,
+            self.dynamic_schedule,
         )
+        tile_source = TileSource(scheduler, pipe_tile, tile_slots, mTileCounter)
         pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
-                             pipe_q, pipe_k, pipe_v, scheduler)
+                             pipe_q, pipe_k, pipe_v, tile_source)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
-                         pipe_q, pipe_k, pipe_v, scheduler, scale_log2,
+                         pipe_q, pipe_k, pipe_v, tile_source, scale_log2,
                          mQ.shape[0], mK.shape[0])
 
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
-                pipe_q, pipe_k, pipe_v, scheduler: AttentionTileScheduler):
+                pipe_q, pipe_k, pipe_v, tile_source: TileSource):
         D = self.head_dim
+        scheduler = tile_source.scheduler
         q_per_kv = mQ.shape[2] // mK.shape[2]
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         tile = scheduler.first_tile()
         while scheduler.is_valid(tile):
             m_block, head, batch = scheduler.coords(tile)
@@ -358,7 +386,7 @@ class FlashFwdSm90:
                 cute.copy(tma_v, tVgV[None, 0], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                 kv_state.advance()
-            tile = scheduler.next_tile(tile)
+            tile, tile_state = tile_source.produce_next(tile, tile_state)
 
     @staticmethod
     def _tma_views(atom, s: cute.Tensor, g: cute.Tensor):
@@ -370,7 +398,7 @@ class FlashFwdSm90:
     # ------------------------------------------------------------- consumers
     @cute.jit
     def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
-                pipe_q, pipe_k, pipe_v, scheduler: AttentionTileScheduler,
+                pipe_q, pipe_k, pipe_v, tile_source: TileSource,
                 scale_log2: Float32, seqlen_q: Int32, seqlen_k: Int32):
         D = self.head_dim
         tidx = cute.arch.thread_idx()[0] - 128
@@ -399,6 +427,7 @@ class FlashFwdSm90:
         qk_gemm = partial(_qk_gemm, tiled_mma_qk, acc_s_shape, tSrQ, tSrK)
         pv_gemm = partial(_pv_gemm, tiled_mma_pv, acc_o, tOrP, tOrVt)
         to_p = partial(_scores_to_p, tOrP)
+        scheduler = tile_source.scheduler
 
         if const_expr(self.pingpong):
             if wg == 0:  # the first WG starts with the tensor-core token
@@ -406,6 +435,7 @@ class FlashFwdSm90:
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
         tile = scheduler.first_tile()
         while scheduler.is_valid(tile):
             m_block, head, batch = scheduler.coords(tile)
@@ -458,7 +488,7 @@ class FlashFwdSm90:
             if const_expr(not self.separate_o):
                 pipe_q.consumer_release(q_state)
             q_state.advance()
-            tile = scheduler.next_tile(tile)
+            tile, tile_state = tile_source.consume_next(tile, tile_state)
 
     @cute.jit
     def overlapped_block(self, kv_state, n_block, qk_gemm, pv_gemm, to_p, mask,
@@ -536,10 +566,12 @@ class FlashFwdSm90:
 # ---------------------------------------------------------------------- family
 
 
-def _spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a") -> KernelSpec:
-    config = dataclasses.astuple(config_for(head_dim))  # in the key: a new config recompiles
+def _spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
+          arch: str = "sm_90a") -> KernelSpec:
+    config = config or config_for(head_dim, causal)
+    # the config is in the key: a new config recompiles
     return KernelSpec.make(FAMILY_NAME, arch, dtype=dtype, head_dim=head_dim, causal=causal,
-                           config=config)
+                           config=dataclasses.astuple(config))
 
 
 def build(spec: KernelSpec):
@@ -560,8 +592,9 @@ def build(spec: KernelSpec):
         (cute.sym_int64(), cute.sym_int64(), 1),
         assumed_align=4,
     )
+    counter = cute.runtime.make_fake_compact_tensor(Int32, (1,), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, 1.0, 132, stream)
+    fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, 1.0, 132, stream)
     return kernel, fake_args
 
 
@@ -586,8 +619,14 @@ def _num_sms(device_index: int) -> int:
 
 
 @lru_cache(maxsize=None)
-def _compiled(dtype: str, head_dim: int, causal: bool):
-    return get_compiled(_spec(dtype, head_dim, causal))
+def _compiled(dtype: str, head_dim: int, causal: bool, config: FwdConfig):
+    return get_compiled(_spec(dtype, head_dim, causal, config))
+
+
+@lru_cache(maxsize=None)
+def _unused_counter(device_index: int) -> torch.Tensor:
+    """What a static schedule gets for the tile counter it never reads."""
+    return torch.empty(1, dtype=torch.int32, device=torch.device("cuda", device_index))
 
 
 def unsupported_reason(q, k, v, causal: bool) -> str | None:
@@ -601,28 +640,22 @@ def unsupported_reason(q, k, v, causal: bool) -> str | None:
     return None
 
 
-def launch(q, k, v, out, lse, softmax_scale: float, causal: bool) -> None:
-    """out (B, S_q, H_q, D) and lse (B, H_q, S_q) fp32 are written; nothing else is allocated."""
+def launch(q, k, v, out, lse, softmax_scale: float, causal: bool, config: FwdConfig | None = None,
+           max_ctas: int | None = None) -> None:
+    """out (B, S_q, H_q, D) and lse (B, H_q, S_q) fp32 are written; a dynamic schedule also
+    allocates its 4-byte tile counter. For experiments, ``config`` overrides
+    :func:`config_for` and ``max_ctas`` the persistent grid (one CTA per SM)."""
     if q.numel() == 0:
         return
     if k.shape[1] == 0:  # no keys: every row attends to nothing
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    fn = _compiled(_DTYPE_NAMES[q.dtype], q.shape[-1], bool(causal))
-    max_ctas = _max_ctas(q.device.index or 0, causal, q.shape[-1], k.shape[1])
-    fn(q, k, v, out, lse, float(softmax_scale), max_ctas)
-
-
-def _max_ctas(device_index: int, causal: bool, head_dim: int, seqlen_k: int) -> int:
-    """Persistent (one CTA per SM) for equal-length tiles. Causal tiles get one CTA each,
-    so that the hardware hands the longest-first tiles to whichever SM frees up (dynamic
-    LPT, no atomics), except the tiny D=64 tiles of short sequences, where the launch of
-    a CTA per tile costs more than the static schedule's imbalance (measured on H200)."""
-    if causal and (head_dim > 64 or seqlen_k > _LPT_MIN_KEY_BLOCKS * config_for(head_dim).tile_n):
-        return _ONE_CTA_PER_TILE
-    return _num_sms(device_index)
-
-
-_ONE_CTA_PER_TILE = 2**31 - 1
-_LPT_MIN_KEY_BLOCKS = 8
+    head_dim, device_index = q.shape[-1], q.device.index or 0
+    config = config or config_for(head_dim, bool(causal))
+    fn = _compiled(_DTYPE_NAMES[q.dtype], head_dim, bool(causal), config)
+    if config.dynamic_schedule:
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    else:
+        counter = _unused_counter(device_index)
+    fn(q, k, v, out, lse, counter, float(softmax_scale), max_ctas or _num_sms(device_index))
