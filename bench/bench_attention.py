@@ -1,6 +1,6 @@
 """Attention forward / backward speed: our CuTe kernels vs SDPA (cuDNN, flash) and FA4.
 
-    python bench/bench_attention.py [--backward] [--quick] [--out DIR]
+    python bench/bench_attention.py [--backward] [--quick] [--rounds N] [--out DIR]
 
 Grid: FlashAttention-3's (16k tokens in total, hidden 2048, head dims 64/128/256,
 seqlen 512..16k, causal and not), which holds every attention shape of
@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
@@ -52,7 +53,8 @@ class Shape:
 @dataclass
 class Row:
     shape: Shape
-    ms: dict = field(default_factory=dict)  # provider -> median ms
+    ms: dict = field(default_factory=dict)  # provider -> median ms (median over rounds)
+    ms_rounds: dict = field(default_factory=dict)  # provider -> median ms of each round
     notes: dict = field(default_factory=dict)  # provider -> why it was skipped
     extra_mem_mb: dict = field(default_factory=dict)  # provider -> peak extra MiB
 
@@ -158,10 +160,14 @@ PROVIDERS = {
 # ---------------------------------------------------------------------- timing
 
 
-def measure(shape: Shape, backward: bool, providers, warmup_ms: int, rep_ms: int) -> Row:
+def measure(shape: Shape, backward: bool, providers, warmup_ms: int, rep_ms: int, rounds: int) -> Row:
+    """Times every provider on fresh random inputs of one shape. With ``rounds`` > 1 the
+    providers are timed in turn that many times and each keeps the median of its rounds,
+    so that drift of the clocks over the run does not favour whoever ran first."""
     from triton.testing import do_bench
 
     row = Row(shape)
+    fns = {}
     for name in providers:
         torch.manual_seed(0)
         q, k, v = (
@@ -176,7 +182,7 @@ def measure(shape: Shape, backward: bool, providers, warmup_ms: int, rep_ms: int
         if isinstance(fn, str):
             row.notes[name] = fn
             continue
-        print(f"  {shape.name}: timing {name}", flush=True)  # shows where a hang sits
+        print(f"  {shape.name}: warming up {name}", flush=True)  # shows where a hang sits
         fn()  # warm JIT caches outside the timed region
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -184,8 +190,12 @@ def measure(shape: Shape, backward: bool, providers, warmup_ms: int, rep_ms: int
         fn()
         torch.cuda.synchronize()
         row.extra_mem_mb[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        row.ms[name] = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-        del fn, q, k, v
+        fns[name] = fn
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            row.ms_rounds.setdefault(name, []).append(
+                do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    row.ms = {name: statistics.median(times) for name, times in row.ms_rounds.items()}
     return row
 
 
@@ -236,7 +246,7 @@ def save(rows: list[Row], providers, backward: bool, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     tag = "bwd" if backward else "fwd"
     records = [
-        {**asdict(row.shape), "ms": row.ms, "notes": row.notes, "extra_mem_mb": row.extra_mem_mb,
+        {**asdict(row.shape), "ms": row.ms, "ms_rounds": row.ms_rounds, "notes": row.notes, "extra_mem_mb": row.extra_mem_mb,
          "tflops": {p: tflops(row, p, backward) for p in row.ms}}
         for row in rows
     ]
@@ -274,6 +284,8 @@ def main() -> None:
     parser.add_argument("--providers", default=",".join(PROVIDERS))
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time the providers in turn this many times, keep each one's median")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
     parser.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
@@ -299,7 +311,7 @@ def main() -> None:
     head_dims = [int(d) for d in args.head_dims.split(",")]
     seqlens = [int(s) for s in args.seqlens.split(",")]
     for shape in grid(args.quick, head_dims, seqlens):
-        rows.append(measure(shape, args.backward, providers, args.warmup, args.rep))
+        rows.append(measure(shape, args.backward, providers, args.warmup, args.rep, args.rounds))
         print(f"{shape.name}: " + ", ".join(
             f"{p} {tflops(rows[-1], p, args.backward):.0f}" for p in providers if p in rows[-1].ms),
             flush=True)
