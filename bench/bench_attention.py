@@ -132,7 +132,8 @@ def _cute(q, k, v, shape: Shape, backward: bool, fwd_overrides=None):
             fields = dict(fwd_overrides)
             if fields.pop("per_tile", False):
                 max_ctas = 2**31 - 1  # the grid is clipped to the tile count
-            config = flash_fwd.config_for(shape.head_dim, shape.causal)
+            config = flash_fwd.config_for(shape.head_dim, shape.causal,
+                                          shape.seqlen <= flash_fwd.SHORT_CAUSAL_KEYS)
             config = replace(config, **{key: type(getattr(config, key))(value) for key, value in fields.items()})
         return lambda: flash_fwd.launch(q, k, v, out, lse, scale, shape.causal, config, max_ctas)
 

@@ -82,10 +82,16 @@ class FwdConfig:
         return 64 * self.num_wg
 
 
+# Causal D64 attention over at most this many keys runs 128-row query tiles (H100, one run:
+# +7% at 512 keys, +8% at 1024, -5% at 2048 against 192-row tiles).
+SHORT_CAUSAL_KEYS = 1024
+
+
 @lru_cache(maxsize=None)
-def config_for(head_dim: int, causal: bool) -> FwdConfig:
-    """Tile shapes that fit 227 KB of smem and the register budget (FA3's choices)."""
-    if head_dim <= 64:
+def config_for(head_dim: int, causal: bool, short: bool = False) -> FwdConfig:
+    """Tile shapes that fit 227 KB of smem and the register budget (FA3's choices), for
+    ``short`` (at most SHORT_CAUSAL_KEYS keys) or longer sequences."""
+    if head_dim <= 64 and not (causal and short):
         tiles = FwdConfig(tile_n=128, num_wg=3, num_stages=2, pingpong=True, separate_o=True)
     elif head_dim <= 128:
         tiles = FwdConfig(tile_n=128, num_wg=2, num_stages=2, pingpong=True, separate_o=True)
@@ -602,7 +608,8 @@ def shipped(arch: str):
     """bf16 at the common head dims; other dtypes / head dims compile on first use."""
     if arch != "sm_90a":
         return []
-    return [_spec("bf16", h, c) for h in (64, 128, 256) for c in (False, True)]
+    causal_short_d64 = _spec("bf16", 64, True, config_for(64, True, short=True))
+    return [_spec("bf16", h, c) for h in (64, 128, 256) for c in (False, True)] + [causal_short_d64]
 
 
 FAMILY = KernelFamily(name=FAMILY_NAME, arch="sm_90a", shipped=shipped, build=build)
@@ -652,7 +659,7 @@ def launch(q, k, v, out, lse, softmax_scale: float, causal: bool, config: FwdCon
         lse.fill_(float("-inf"))
         return
     head_dim, device_index = q.shape[-1], q.device.index or 0
-    config = config or config_for(head_dim, bool(causal))
+    config = config or config_for(head_dim, bool(causal), k.shape[1] <= SHORT_CAUSAL_KEYS)
     fn = _compiled(_DTYPE_NAMES[q.dtype], head_dim, bool(causal), config)
     if config.dynamic_schedule:
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
