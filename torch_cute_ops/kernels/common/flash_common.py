@@ -35,11 +35,6 @@ from .tma import tma_reason
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
-# K/V bytes of the heads that are worked on at the same time are kept under this,
-# so that the query blocks of one head reuse its K/V from L2 (H100/H200: 50 MB).
-L2_KV_BUDGET_BYTES = 16 * 1024 * 1024
-
-
 class DslState:
     """Lets a helper object live across dynamic ``while``/``range`` loops.
 
@@ -375,10 +370,12 @@ class AttentionTileScheduler(DslState):
         self.num_tiles = num_m_blocks * self.num_bh
 
     @staticmethod
-    def heads_per_section_for(seqlen_k: Int32, kv_bytes_per_key: int, num_bh: Int32) -> Int32:
-        """How many (batch, head) pairs' K/V fit the L2 budget (at least 1)."""
+    def heads_per_section_for(seqlen_k: Int32, kv_bytes_per_key: int, num_bh: Int32,
+                              budget_bytes: int) -> Int32:
+        """How many (batch, head) pairs' K/V fit ``budget_bytes`` (at least 1), so that the
+        query blocks of one head reuse its K/V from L2 (H100/H200: 50 MB)."""
         per_head = cutlass.max(seqlen_k, 1) * kv_bytes_per_key
-        return cutlass.max(cutlass.min(L2_KV_BUDGET_BYTES // per_head, num_bh), 1)
+        return cutlass.max(cutlass.min(budget_bytes // per_head, num_bh), 1)
 
     # Static: work w of CTA c is tile w * G + c on even waves and w * G + (G - 1 - c) on
     # odd ones (snake order), so that a CTA that got one of the longest tiles of a wave

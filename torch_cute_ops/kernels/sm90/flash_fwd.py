@@ -76,6 +76,7 @@ class FwdConfig:
     separate_o: bool  # O has its own smem; else it reuses Q's (no room at D >= 192)
     # tiles handed out by an atomic counter (see AttentionTileScheduler), else static
     dynamic_schedule: bool = False
+    l2_kv_mib: int = 16  # the K/V of the heads worked on together is kept under this
 
     @property
     def tile_m(self) -> int:
@@ -99,8 +100,11 @@ def config_for(head_dim: int, causal: bool, short: bool = False) -> FwdConfig:
         tiles = FwdConfig(tile_n=112, num_wg=2, num_stages=2, pingpong=False, separate_o=False)
     else:
         tiles = FwdConfig(tile_n=80, num_wg=2, num_stages=2, pingpong=False, separate_o=False)
-    # causal tiles differ in length: whichever CTA frees up takes the next longest
-    return dataclasses.replace(tiles, dynamic_schedule=causal)
+    # Causal tiles differ in length: whichever CTA frees up takes the next longest, and
+    # since that order spreads one head's tiles over time, more heads' K/V stay in L2.
+    # Equal tiles run head after head: the CTAs in flight stream the same K/V blocks
+    # (H100, D128 S >= 4k, two runs: 4 MiB +2-5% over 16 MiB non-causal, -2-4% causal).
+    return dataclasses.replace(tiles, dynamic_schedule=causal, l2_kv_mib=16 if causal else 4)
 
 
 def _smem_layout(dtype, rows: int, cols: int, stages: int):
@@ -164,6 +168,7 @@ class FlashFwdSm90:
         self.pingpong = config.pingpong and config.num_wg > 1
         self.separate_o = config.separate_o
         self.dynamic_schedule = config.dynamic_schedule
+        self.l2_kv_mib = config.l2_kv_mib
         # Where O takes the max correction. With ping-pong the WG holding the tensor-core
         # turn must issue at once, so O is rescaled after the softmax, off that path;
         # without it, rescaling while S is computed hides the FMULs (large O at D >= 192).
@@ -235,7 +240,7 @@ class FlashFwdSm90:
         seqlen_q, num_heads, batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
         num_m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
         heads_per_section = AttentionTileScheduler.heads_per_section_for(
-            mK.shape[0], 2 * D * self.dtype.width // 8, num_heads * batch
+            mK.shape[0], 2 * D * self.dtype.width // 8, num_heads * batch, self.l2_kv_mib << 20
         )
         num_tiles = num_m_blocks * num_heads * batch
         self.kernel(
