@@ -631,8 +631,10 @@ def _num_sms(device_index: int) -> int:
 
 
 @lru_cache(maxsize=None)
-def _compiled(dtype: str, head_dim: int, causal: bool, config: FwdConfig):
-    return get_compiled(_spec(dtype, head_dim, causal, config))
+def _plan(dtype: str, head_dim: int, causal: bool, short: bool):
+    """(compiled fn, whether it claims tiles dynamically); cached, so a call does one lookup."""
+    config = config_for(head_dim, causal, short)
+    return get_compiled(_spec(dtype, head_dim, causal, config)), config.dynamic_schedule
 
 
 @lru_cache(maxsize=None)
@@ -663,10 +665,13 @@ def launch(q, k, v, out, lse, softmax_scale: float, causal: bool, config: FwdCon
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    head_dim, device_index = q.shape[-1], q.device.index or 0
-    config = config or config_for(head_dim, bool(causal), k.shape[1] <= SHORT_CAUSAL_KEYS)
-    fn = _compiled(_DTYPE_NAMES[q.dtype], head_dim, bool(causal), config)
-    if config.dynamic_schedule:
+    dtype, head_dim, causal = _DTYPE_NAMES[q.dtype], q.shape[-1], bool(causal)
+    device_index = q.device.index or 0
+    if config is None:
+        fn, dynamic = _plan(dtype, head_dim, causal, k.shape[1] <= SHORT_CAUSAL_KEYS)
+    else:
+        fn, dynamic = get_compiled(_spec(dtype, head_dim, causal, config)), config.dynamic_schedule
+    if dynamic:
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     else:
         counter = _unused_counter(device_index)
