@@ -283,7 +283,9 @@ class OnlineSoftmax(DslState):
             new_max = row.reduce(
                 cute.ReductionOp.MAX, -Float32.inf if const_expr(is_first) else prev_max, 0
             )
-            new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
+            # fmax (one FMNMX per step): the NaN-propagating max costs three instructions on
+            # the softmax's critical path, and a NaN score still reaches O through its exp
+            new_max = cute.arch.warp_reduction(new_max, cute.arch.fmax, threads_in_group=4)
             self.row_max[r] = new_max
             safe_max = 0.0 if new_max == -Float32.inf else new_max
             max_scaled = safe_max * self.scale_log2

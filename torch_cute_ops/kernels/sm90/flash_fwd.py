@@ -202,7 +202,8 @@ class FlashFwdSm90:
         slab_layout = cute.select(q_layout, mode=[0, 1])
 
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        tiled_mma_qk = tiled_wgmma(self.dtype, k_major, k_major, (64, self.tile_n))
+        tiled_mma_qk = tiled_wgmma(self.dtype, k_major, k_major, (self.tile_m, self.tile_n),
+                                   atoms_mn=(self.num_wg, 1))
         tiled_mma_pv = tiled_wgmma(self.dtype, k_major, mn_major, (64, D),
                                    a_source=warpgroup.OperandSource.RMEM)
 
@@ -416,18 +417,21 @@ class FlashFwdSm90:
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_tidx = tidx % 128
 
-        thr_qk = tiled_mma_qk.get_slice(wg_tidx)
+        wg_qk = tiled_mma_qk.get_slice(wg * 128)
+        thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(wg_tidx)
-        sQ_wg = sQ[None, None, wg]
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_wg))
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        # the CTA's query rows as one (tile_m, D) tile: the slabs stacked along M
+        q_rows = cute.group_modes(cute.select(sQ.layout, mode=[0, 2, 1]), 0, 2)
+        sQ_tile = cute.make_tensor(sQ.iterator, q_rows)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ_tile))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(transposed_view(sV)))
         tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, self.tile_n)))
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, D)), Float32)
-        acc_s_shape = thr_qk.partition_shape_C((64, self.tile_n))
+        acc_s_shape = tiled_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
 
         # (row, col) of every score this thread holds, and thread 0's (static)
-        cS = cute.make_identity_tensor((64, self.tile_n))
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
         tScS = acc_as_rows_cols(thr_qk.partition_C(cS))
         t0ScS = acc_as_rows_cols(tiled_mma_qk.get_slice(0).partition_C(cS))
 
@@ -452,7 +456,7 @@ class FlashFwdSm90:
             m_block, head, batch = scheduler.coords(tile)
             keys = KeyRange(self.tile_m, self.tile_n, self.causal, m_block, seqlen_q, seqlen_k)
             row_start = m_block * self.tile_m + wg * 64
-            mask = partial(mask_scores, tScS=tScS, t0ScS=t0ScS, row_start=row_start,
+            mask = partial(mask_scores, tScS=tScS, t0ScS=t0ScS, row_start=m_block * self.tile_m,
                            seqlen_q=seqlen_q, seqlen_k=seqlen_k)
 
             softmax.reset()
