@@ -70,7 +70,8 @@ def main():
 
     def ours(a, b, bias=None, activation=None, config=None):
         out = torch.empty(a.shape[0], b.shape[1], device="cuda", dtype=dtype)
-        return lambda: sm90_gemm.launch(a.unsqueeze(0), b.unsqueeze(0), bias, activation, out.unsqueeze(0), config)
+        return lambda: sm90_gemm.launch(a.unsqueeze(0), b.unsqueeze(0), bias, activation, out.unsqueeze(0),
+                                        config=config)
 
     extra = {name: parse_config(name) for name in args.configs.split(",") if name}
 

@@ -17,6 +17,13 @@ def test_gemm_gradcheck(activation):
     assert gradcheck(lambda a, b, bias: tco.gemm(a, b, bias, activation), (a, b, bias))
 
 
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+def test_gemm_gradcheck_alpha(activation):
+    """alpha scales the pre-activation, so it scales dA, dB and reaches act'."""
+    a, b, bias = _f64(6, 5), _f64(5, 4), _f64(4)
+    assert gradcheck(lambda a, b, bias: tco.gemm(a, b, bias, activation, alpha=-0.75), (a, b, bias))
+
+
 def test_gemm_gradcheck_transposed_operands():
     a, b = _f64(5, 6), _f64(4, 5)
     assert gradcheck(lambda a, b: tco.gemm(a.mT, b.mT), (a, b))

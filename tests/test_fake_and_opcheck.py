@@ -51,6 +51,7 @@ def test_opcheck_gemm():
     for act in (None, "relu", "gelu_tanh", "silu"):
         torch.library.opcheck(torch.ops.cute.gemm.default, (a, b, bias, act, None))
     torch.library.opcheck(torch.ops.cute.gemm.default, (a[0].detach(), b[0].detach().mT.contiguous().mT))
+    torch.library.opcheck(torch.ops.cute.gemm.default, (a, b, bias, "gelu_tanh", None, 0.5))
 
 
 @pytest.mark.parametrize("causal", [False, True])

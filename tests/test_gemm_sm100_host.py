@@ -144,11 +144,11 @@ def test_launch_contract(monkeypatch):
     assert spec["tile"] == (256, 256) and spec["cluster"] == (4, 1)
     assert sm100_gemm._plan.cache_info().hits == 1
     args = fn.calls[0]
-    assert len(args) == 5 and args[2] is bias and args[4] == B200_SMS // 4
+    assert len(args) == 6 and args[2] is bias and args[4] == 1.0 and args[5] == B200_SMS // 4
     assert args[0].shape == a.shape and args[1].shape == b.shape and args[3].data_ptr() == out.data_ptr()
 
     sm100_gemm.launch(a, b, None, None, out, config=GemmConfig(128, 128))
     spec = [s for s in compiled if s["tile"] == (128, 128)][0]
-    assert len(compiled[spec].calls[0]) == 4 and compiled[spec].calls[0][3] == B200_SMS
+    assert len(compiled[spec].calls[0]) == 5 and compiled[spec].calls[0][4] == B200_SMS
     sm100_gemm.launch(a, b, None, None, out[:, :0])  # empty output: nothing to launch
     assert sum(len(r.calls) for r in compiled.values()) == 3

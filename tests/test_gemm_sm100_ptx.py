@@ -31,7 +31,7 @@ def _compile(spec, dump_dir):
 
 
 def _check_call_contract(compiled, spec):
-    """launch() calls fn(a, b[, bias], out, max_clusters) with torch-order tensors and no stream:
+    """launch() calls fn(a, b[, bias], out, alpha, max_clusters) with torch-order tensors and no stream:
     CPU tensors of the right layouts get as far as the device check of the first argument."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec["ab"]]
     a = torch.empty(1, 64, 32, dtype=dtype)
@@ -42,7 +42,7 @@ def _check_call_contract(compiled, spec):
     out = torch.empty(1, 64, 16, dtype=out_dtype)
     args = (a, b, torch.empty(16, dtype=dtype), out) if spec["bias"] else (a, b, out)
     with pytest.raises(ValueError, match=r"argument #0.*max_clusters: int32\)`, expected device_type=cuda"):
-        compiled(*args, 148)
+        compiled(*args, 1.0, 148)
 
 
 def _ptxas_spills(ptx_path):

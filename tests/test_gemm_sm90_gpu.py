@@ -30,10 +30,10 @@ def operand(batch, rows, cols, cols_major, dtype, batch_gap=0):
     return t if cols_major else t.transpose(1, 2)
 
 
-def reference(a, b, bias, activation, out_dtype):
+def reference(a, b, bias, activation, out_dtype, alpha=1.0):
     from torch_cute_ops.reference.gemm import ACTIVATIONS
 
-    ref = torch.matmul(a.float(), b.float())
+    ref = torch.matmul(a.float(), b.float()) * alpha
     if bias is not None:
         ref = ref + bias.float()
     if activation is not None:
@@ -51,7 +51,7 @@ def check(out, ref, dtype):
 
 
 def run_case(m, n, k, *, batch=1, a_k_major=True, b_n_major=True, dtype=torch.bfloat16, out_dtype=None,
-             bias=False, activation=None, batch_gap=0, config=None):
+             bias=False, activation=None, batch_gap=0, config=None, alpha=1.0):
     from torch_cute_ops.kernels.sm90 import gemm as sm90_gemm
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -61,9 +61,9 @@ def run_case(m, n, k, *, batch=1, a_k_major=True, b_n_major=True, dtype=torch.bf
     bias_t = torch.randn(n, device="cuda", dtype=dtype) if bias else None
     assert sm90_gemm.unsupported_reason(a, b, bias_t, activation, out_dtype) is None
     out = torch.full((batch, m, n), float("nan"), device="cuda", dtype=out_dtype)
-    sm90_gemm.launch(a, b, bias_t, activation, out, config=config)
+    sm90_gemm.launch(a, b, bias_t, activation, out, alpha, config=config)
     torch.cuda.synchronize()
-    check(out, reference(a, b, bias_t, activation, out_dtype), out_dtype)
+    check(out, reference(a, b, bias_t, activation, out_dtype, alpha), out_dtype)
 
 
 # (M, N, K, a K-major, b N-major): tails in every dim, tiny and odd sizes where the
@@ -99,6 +99,14 @@ def test_majorness_batched(a_k_major, b_n_major, dtype):
 @pytest.mark.parametrize("bias", [False, True])
 def test_epilogue(activation, bias):
     run_case(777, 1048, 512, bias=bias, activation=activation)
+
+
+@pytest.mark.parametrize("alpha,bias,activation", [(0.5, True, "gelu_tanh"), (-1.25, False, None),
+                                                   (0.0625, True, "silu")])
+def test_alpha(alpha, bias, activation):
+    """alpha scales A @ B before the bias and the activation, in both output paths."""
+    run_case(777, 1048, 512, bias=bias, activation=activation, alpha=alpha)
+    run_case(300, 264, 520, out_dtype=torch.float32, bias=bias, activation=activation, alpha=alpha)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

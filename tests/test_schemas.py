@@ -29,5 +29,6 @@ def test_registered_ops_carry_the_contract_schemas():
 
 def test_gemm_schema_defaults_match_the_contract():
     args = {a.name: a for a in torch.ops.cute.gemm.default._schema.arguments}
-    assert list(args) == ["a", "b", "bias", "activation", "out_dtype"]
+    assert list(args) == ["a", "b", "bias", "activation", "out_dtype", "alpha"]
     assert args["bias"].default_value is None and args["activation"].default_value is None
+    assert args["alpha"].default_value == 1.0

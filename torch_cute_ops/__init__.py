@@ -5,7 +5,7 @@ Public functions: :func:`gemm`, :func:`linear`, :func:`flash_attn_func`,
 :func:`scaled_dot_product_attention` and the SDPA routing switch.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from .functional import flash_attn_func, gemm, linear
 from .ops.fallback import FallbackError

@@ -133,10 +133,10 @@ def self_check(device: torch.device) -> list[tuple[str, float, float]]:
 
     rows = []
     a, b, bias = randn(2, 333, 264), randn(2, 264, 520), randn(520)
-    for act in (None, "gelu_tanh"):
-        out = functional.gemm(a, b, bias, act)
-        ref = ref_gemm.gemm(a.double(), b.double(), bias.double(), act, torch.float64)
-        rows.append((f"gemm bias act={act} (2x333x520x264)", _rel_err(out, ref), bound))
+    for act, alpha in ((None, 1.0), ("gelu_tanh", 1.0), ("gelu_tanh", 0.5)):
+        out = functional.gemm(a, b, bias, act, alpha=alpha)
+        ref = ref_gemm.gemm(a.double(), b.double(), bias.double(), act, torch.float64, alpha)
+        rows.append((f"gemm bias act={act} alpha={alpha} (2x333x520x264)", _rel_err(out, ref), bound))
     # column-major operands need a 16-byte-aligned leading dim (M, K) for the TMA: 344, 264
     a_cm, b_cm = randn(264, 344).mT, randn(520, 264).mT
     out = functional.gemm(a_cm, b_cm)

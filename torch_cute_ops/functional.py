@@ -10,12 +10,14 @@ from . import ops  # noqa: F401  (registers torch.ops.cute.*)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-         activation: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``activation(a @ b + bias)`` in one kernel; a (M, K) or (L, M, K), b (K, N) or (L, K, N).
+         activation: str | None = None, out_dtype: torch.dtype | None = None,
+         alpha: float = 1.0) -> torch.Tensor:
+    """``activation(alpha * (a @ b) + bias)`` in one kernel; a (M, K) or (L, M, K), b (K, N)
+    or (L, K, N).
 
     ``activation`` is None, "relu", "gelu_tanh" or "silu"; ``out_dtype`` defaults to a's dtype.
     """
-    return torch.ops.cute.gemm(a, b, bias, activation, out_dtype)
+    return torch.ops.cute.gemm(a, b, bias, activation, out_dtype, float(alpha))
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

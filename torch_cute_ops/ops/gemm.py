@@ -1,4 +1,4 @@
-"""``cute::gemm``: C = act(A @ B + bias), with fake function, CUDA dispatch and autograd.
+"""``cute::gemm``: C = act(alpha * A @ B + bias), with fake function, CUDA dispatch and autograd.
 
 a is (M, K) or (L, M, K), b is (K, N) or (L, K, N), either row- or column-major: a
 transposed view reaches the kernel as it is and selects the kernel's majorness.
@@ -40,7 +40,7 @@ def _validate(a, b, bias, activation, out_dtype) -> tuple[tuple[int, ...], torch
     return (*a.shape[:-1], n), out_dtype
 
 
-def _launch_kernel(a, b, bias, activation, out_dtype, shape) -> torch.Tensor | None:
+def _launch_kernel(a, b, bias, activation, out_dtype, alpha, shape) -> torch.Tensor | None:
     kernel = dispatch.kernel_for("gemm", a.device)
     a3, b3 = (a, b) if a.dim() == 3 else (a.unsqueeze(0), b.unsqueeze(0))
     # the kernel module knows its own limits (dtypes, the TMA's strides and alignment)
@@ -49,51 +49,54 @@ def _launch_kernel(a, b, bias, activation, out_dtype, shape) -> torch.Tensor | N
         fallback.note("gemm", reason)
         return None
     out = torch.empty(shape, dtype=out_dtype, device=a.device)
-    kernel.launch(a3, b3, bias, activation, out if out.dim() == 3 else out.unsqueeze(0))
+    kernel.launch(a3, b3, bias, activation, out if out.dim() == 3 else out.unsqueeze(0), alpha)
     return out
 
 
-def _gemm(a, b, bias=None, activation=None, out_dtype=None):
+def _gemm(a, b, bias=None, activation=None, out_dtype=None, alpha=1.0):
     shape, out_dtype = _validate(a, b, bias, activation, out_dtype)
     if a.is_cuda:
-        out = _launch_kernel(a, b, bias, activation, out_dtype, shape)
+        out = _launch_kernel(a, b, bias, activation, out_dtype, alpha, shape)
         if out is not None:
             return out
-    return reference.gemm(a, b, bias, activation, out_dtype)
+    return reference.gemm(a, b, bias, activation, out_dtype, alpha)
 
 
 register_impl("gemm", _gemm)
 
 
 @torch.library.register_fake(qualname("gemm"), lib=lib)
-def _gemm_fake(a, b, bias=None, activation=None, out_dtype=None):
+def _gemm_fake(a, b, bias=None, activation=None, out_dtype=None, alpha=1.0):
     shape, out_dtype = _validate(a, b, bias, activation, out_dtype)
     return a.new_empty(shape, dtype=out_dtype)
 
 
 def _setup_context(ctx, inputs, output):
-    a, b, bias, activation, _ = inputs
+    a, b, bias, activation, _, alpha = inputs
     ctx.activation = activation
+    ctx.alpha = alpha
     ctx.save_for_backward(a, b, bias)
 
 
 def _backward(ctx, grad):
-    """dA = dZ @ B^T and dB = A^T @ dZ through the same op (transposed views, no copies).
+    """dA = alpha dZ @ B^T and dB = alpha A^T @ dZ through the same op (transposed views, no
+    copies; alpha rides in the epilogue).
 
-    With an activation, dZ = grad * act'(Z) needs the pre-activation Z = A @ B + bias, which
-    is recomputed in fp32 rather than stored: one more GEMM instead of an (M, N) buffer.
+    With an activation, dZ = grad * act'(Z) needs the pre-activation Z = alpha A @ B + bias,
+    which is recomputed in fp32 rather than stored: one more GEMM instead of an (M, N) buffer.
     """
     a, b, bias = ctx.saved_tensors
+    alpha = ctx.alpha
     if ctx.activation is not None:
-        pre = torch.ops.cute.gemm(a, b, bias, None, reference._acc_dtype(a.dtype))
+        pre = torch.ops.cute.gemm(a, b, bias, None, reference._acc_dtype(a.dtype), alpha)
         grad = reference.activation_backward(ctx.activation, grad.to(pre.dtype), pre)
     grad = grad.to(a.dtype)
     # trailing arguments left at their defaults have no entry in needs_input_grad
     need_a, need_b, need_bias = (*ctx.needs_input_grad, False, False)[:3]
-    grad_a = torch.ops.cute.gemm(grad, b.mT) if need_a else None
-    grad_b = torch.ops.cute.gemm(a.mT, grad) if need_b else None
+    grad_a = torch.ops.cute.gemm(grad, b.mT, alpha=alpha) if need_a else None
+    grad_b = torch.ops.cute.gemm(a.mT, grad, alpha=alpha) if need_b else None
     grad_bias = grad.sum(dim=tuple(range(grad.dim() - 1))) if need_bias and bias is not None else None
-    return grad_a, grad_b, grad_bias, None, None
+    return grad_a, grad_b, grad_bias, None, None, None
 
 
 torch.library.register_autograd(qualname("gemm"), _backward, setup_context=_setup_context, lib=lib)

@@ -11,7 +11,7 @@ NAMESPACE = "cute"
 
 SCHEMAS = {
     "gemm": "gemm(Tensor a, Tensor b, Tensor? bias=None, str? activation=None, "
-            "ScalarType? out_dtype=None) -> Tensor",
+            "ScalarType? out_dtype=None, float alpha=1.0) -> Tensor",
     "flash_attn_fwd": "flash_attn_fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, "
                       "bool causal) -> (Tensor out, Tensor lse)",
     "flash_attn_bwd": "flash_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "

@@ -1,7 +1,8 @@
 """Plain-PyTorch GEMM with a fused epilogue: the semantics every gemm kernel must reproduce.
 
-Accumulates in float32 (float64 for float64 inputs), adds the bias and applies the
-activation in that precision, then rounds once to the output dtype, as the kernels do.
+Accumulates in float32 (float64 for float64 inputs), scales by alpha, adds the bias and
+applies the activation in that precision, then rounds once to the output dtype, as the
+kernels do.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-         out_dtype: torch.dtype) -> torch.Tensor:
+         out_dtype: torch.dtype, alpha: float = 1.0) -> torch.Tensor:
     acc = _acc_dtype(a.dtype)
     out = torch.matmul(a.to(acc), b.to(acc))
+    if alpha != 1.0:
+        out = out * alpha
     if bias is not None:
         out = out + bias.to(acc)
     if activation is not None:

@@ -127,8 +127,9 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch(plan, a, b, bias, activation, out, config=None) -> None:
-    """out[l] = act(a[l] @ b[l] + bias) on the current stream; ``config`` overrides the heuristic."""
+def launch(plan, a, b, bias, activation, out, alpha=1.0, config=None) -> None:
+    """out[l] = act(alpha * a[l] @ b[l] + bias) on the current stream; ``config`` overrides the
+    heuristic."""
     if out.numel() == 0:
         return
     a_view, a_k_major = operand_view(a)
@@ -139,6 +140,6 @@ def launch(plan, a, b, bias, activation, out, config=None) -> None:
     fn, max_clusters = plan(DTYPE_NAMES[a.dtype], DTYPE_NAMES[out.dtype], a_k_major, not b_n_major,
                             bias is not None, activation, m, n, k, batch, device_index, config)
     if bias is None:
-        fn(a_view, b_view, out_view(out), max_clusters)
+        fn(a_view, b_view, out_view(out), float(alpha), max_clusters)
     else:
-        fn(a_view, b_view, bias, out_view(out), max_clusters)
+        fn(a_view, b_view, bias, out_view(out), float(alpha), max_clusters)

@@ -1,10 +1,10 @@
 """Blackwell (sm_100a) GEMM with a fused bias + activation epilogue.
 
-``out[l] = act(a[l] @ b[l] + bias)``, accumulated in fp32 in tensor memory (TMEM).
+``out[l] = act(alpha * a[l] @ b[l] + bias)``, accumulated in fp32 in tensor memory (TMEM).
 
 Warp roles inside one CTA (192 threads, persistent over output tiles):
 
-* warps 0-3, epilogue: TMEM -> registers (tcgen05.ld), bias and activation in fp32,
+* warps 0-3, epilogue: TMEM -> registers (tcgen05.ld), alpha, bias and activation in fp32,
   registers -> smem -> global memory with TMA stores, one sub-tile at a time;
 * warp 4, MMA: one thread issues tcgen05.mma for the whole CTA (or CTA pair);
 * warp 5, producer: TMA loads of A/B k-tiles into a multi-stage smem ring.
@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import Int32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
@@ -165,15 +165,15 @@ class GemmSm100:
 
     @cute.jit
     def run(self, mA_lmk: cute.Tensor, mB_lkn: cute.Tensor, mOut_lmn: cute.Tensor,
-            max_clusters: cutlass.Int32, stream):
-        self._launch(mA_lmk, mB_lkn, None, mOut_lmn, max_clusters, stream)
+            alpha: cutlass.Float32, max_clusters: cutlass.Int32, stream):
+        self._launch(mA_lmk, mB_lkn, None, mOut_lmn, alpha, max_clusters, stream)
 
     @cute.jit
     def run_with_bias(self, mA_lmk: cute.Tensor, mB_lkn: cute.Tensor, mBias: cute.Tensor,
-                      mOut_lmn: cute.Tensor, max_clusters: cutlass.Int32, stream):
-        self._launch(mA_lmk, mB_lkn, mBias, mOut_lmn, max_clusters, stream)
+                      mOut_lmn: cute.Tensor, alpha: cutlass.Float32, max_clusters: cutlass.Int32, stream):
+        self._launch(mA_lmk, mB_lkn, mBias, mOut_lmn, alpha, max_clusters, stream)
 
-    def _launch(self, mA_lmk, mB_lkn, mBias, mOut_lmn, max_clusters, stream):
+    def _launch(self, mA_lmk, mB_lkn, mBias, mOut_lmn, alpha, max_clusters, stream):
         # torch's (L, M, K) / (L, K, N) / (L, M, N) -> CuTe's (M, K, L) / (N, K, L) / (M, N, L)
         mA = cute.make_tensor(mA_lmk.iterator, cute.select(mA_lmk.layout, mode=[1, 2, 0]))
         mB = cute.make_tensor(mB_lkn.iterator, cute.select(mB_lkn.layout, mode=[2, 1, 0]))
@@ -221,6 +221,7 @@ class GemmSm100:
             tma_mOut,
             mOut,
             mBias,
+            alpha,
             self.cluster_layout_vmnk,
             self.a_smem_staged,
             self.b_smem_staged,
@@ -247,6 +248,7 @@ class GemmSm100:
         mOut_tma: cute.Tensor,
         mOut: cute.Tensor,
         mBias: cute.Tensor | None,
+        alpha: cutlass.Float32,
         cluster_layout_vmnk: cute.Layout,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
@@ -389,7 +391,7 @@ class GemmSm100:
             tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
             tCtAcc = cute.make_tensor(tmem_ptr, acc_layout)
             self.epilogue(
-                scheduler, acc_pipe, tCtAcc, tCgOut, sOut, tma_out, mOut, mBias, sBias,
+                scheduler, acc_pipe, tCtAcc, tCgOut, sOut, tma_out, mOut, mBias, sBias, alpha,
                 epi_tile, warp_idx,
             )
             tmem.relinquish_alloc_permit()
@@ -463,7 +465,7 @@ class GemmSm100:
         acc_pipe.producer_tail(acc_state)
 
     @cute.jit
-    def epilogue(self, scheduler, acc_pipe, tCtAcc, tCgOut, sOut, tma_out, mOut, mBias, sBias,
+    def epilogue(self, scheduler, acc_pipe, tCtAcc, tCgOut, sOut, tma_out, mOut, mBias, sBias, alpha,
                  epi_tile, warp_idx):
         tidx = cute.arch.thread_idx()[0]
         # TMEM -> registers: warp w reads lanes 32w..32w+31 (the tile's rows)
@@ -523,7 +525,9 @@ class GemmSm100:
                     acc_state.advance()
                 if cutlass.const_expr(mBias is not None):  # broadcast smem reads, in fp32
                     bias = tTR_sBias[(None, None, None, sub)].load().to(self.acc_dtype)
-                    tTR_rAcc.store(tTR_rAcc.load() + bias)
+                    tTR_rAcc.store(tTR_rAcc.load() * alpha + bias)
+                else:
+                    tTR_rAcc.store(tTR_rAcc.load() * alpha)
                 apply_activation(tTR_rAcc, self.activation)
                 tTR_rOut.store(tTR_rAcc.load().to(self.out_dtype))
                 buf = store_count % self.epi_stages
@@ -587,8 +591,8 @@ def build(spec: KernelSpec):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if spec["bias"]:
         mBias = cute.runtime.make_fake_compact_tensor(ab, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES)
-        return gemm.run_with_bias, (mA, mB, mBias, mOut, Int32(1), stream)
-    return gemm.run, (mA, mB, mOut, Int32(1), stream)
+        return gemm.run_with_bias, (mA, mB, mBias, mOut, Float32(1.0), Int32(1), stream)
+    return gemm.run, (mA, mB, mOut, Float32(1.0), Int32(1), stream)
 
 
 # A handful of variants: 1-CTA and 2-CTA (+ 4x1 multicast) tiles, plain and fused epilogues,
@@ -627,9 +631,10 @@ def _plan(ab, out, a_k_major, b_k_major, has_bias, activation, m, n, k, batch, d
     return get_compiled(spec), sm_count // (config.cluster_m * config.cluster_n)
 
 
-def launch(a, b, bias, activation, out, config: GemmConfig | None = None) -> None:
-    """out[l] = act(a[l] @ b[l] + bias) on the current stream. ``config`` overrides the heuristic.
+def launch(a, b, bias, activation, out, alpha: float = 1.0, config: GemmConfig | None = None) -> None:
+    """out[l] = act(alpha * a[l] @ b[l] + bias) on the current stream. ``config`` overrides the
+    heuristic.
 
     a (L, M, K), b (L, K, N), bias (N,) or None, out (L, M, N) row-major, all on one device.
     """
-    gemm_host.launch(_plan, a, b, bias, activation, out, config)
+    gemm_host.launch(_plan, a, b, bias, activation, out, alpha, config)

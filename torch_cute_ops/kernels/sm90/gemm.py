@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) persistent GEMM: out = act(A @ B + bias), fp32 accumulation.
+"""Hopper (sm_90a) persistent GEMM: out = act(alpha * A @ B + bias), fp32 accumulation.
 
 Kernel convention: A is (M, K, L), B is (N, K, L), C is (M, N, L); each of A and B
 is K-major or M/N-major (decided at compile time from which stride is the static
@@ -116,15 +116,16 @@ class Sm90Gemm:
     # ---- host side -------------------------------------------------------------------
     @cute.jit
     def run_with_bias(self, mA: cute.Tensor, mB: cute.Tensor, mBias: cute.Tensor, mC: cute.Tensor,
-                      max_clusters: Int32, stream):
-        self._launch(mA, mB, mBias, mC, max_clusters, stream)
+                      alpha: Float32, max_clusters: Int32, stream):
+        self._launch(mA, mB, mBias, mC, alpha, max_clusters, stream)
 
     @cute.jit
-    def run(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, max_clusters: Int32, stream):
+    def run(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, alpha: Float32, max_clusters: Int32,
+            stream):
         # without bias the kernel never reads its bias argument; C stands in for it
-        self._launch(mA, mB, mC, mC, max_clusters, stream)
+        self._launch(mA, mB, mC, mC, alpha, max_clusters, stream)
 
-    def _launch(self, mA, mB, mBias, mC, max_clusters, stream):
+    def _launch(self, mA, mB, mBias, mC, alpha, max_clusters, stream):
         # torch order -> kernel order: a (L, M, K) -> (M, K, L), b (L, K, N) -> (N, K, L),
         # out (L, M, N) -> (M, N, L); layout permutations only, no data moves
         mA = cute.make_tensor(mA.iterator, cute.select(mA.layout, mode=[1, 2, 0]))
@@ -172,7 +173,7 @@ class Sm90Gemm:
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tensor_c, mBias,
+            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tensor_c, mBias, alpha,
             tiled_mma, sA_layout, sB_layout, sC_layout,
         ).launch(
             grid=grid,
@@ -192,7 +193,7 @@ class Sm90Gemm:
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
                mB_nkl: cute.Tensor, tma_atom_c, mC_mnl: cute.Tensor, mBias: cute.Tensor,
-               tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+               alpha: Float32, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
                sC_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -244,7 +245,7 @@ class Sm90Gemm:
                               cluster_layout_mnk, cluster_coord_mnk, num_k_tiles)
         else:
             cute.arch.warpgroup_reg_alloc(self.mma_regs)
-            self._consume(ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, sA, sB, sC,
+            self._consume(ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, alpha, sA, sB, sC,
                           num_k_tiles, tidx - 128)
 
     @cute.jit
@@ -282,7 +283,7 @@ class Sm90Gemm:
         ab_pipeline.producer_tail(state)
 
     @cute.jit
-    def _consume(self, ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, sA, sB, sC,
+    def _consume(self, ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, alpha, sA, sB, sC,
                  num_k_tiles, mma_tidx):
         """WGMMA main loop, then the fused epilogue, for every tile of this tile group."""
         group = mma_tidx // self.tile_threads
@@ -362,9 +363,8 @@ class Sm90Gemm:
                 read_state = _advance_state(read_state, skip)
                 release_state = _advance_state(release_state, skip)
 
-            # ---- epilogue: bias and activation in fp32 registers, then out
-            if cutlass.const_expr(self.has_bias):
-                self._add_bias(acc, tCcC, mBias, tile_n_idx * tile_n, mC_mnl.shape[1])
+            # ---- epilogue: alpha, bias and activation in fp32 registers, then out
+            self._scale_add_bias(acc, alpha, tCcC, mBias, tile_n_idx * tile_n, mC_mnl.shape[1])
             apply_activation(acc, self.activation)
             if cutlass.const_expr(self.direct_store):
                 self._store_direct(acc, tCcC, mC_mnl, tile_m_idx, tile_n_idx, batch_idx)
@@ -411,12 +411,16 @@ class Sm90Gemm:
         warpgroup.commit_group()
 
     @cute.jit
-    def _add_bias(self, acc, tCcC, mBias, col_start, num_cols):
-        # columns past N are clamped to N-1: those outputs are never stored
+    def _scale_add_bias(self, acc, alpha, tCcC, mBias, col_start, num_cols):
+        """acc = alpha * acc (+ bias): one FFMA per value. Columns past N read bias[N-1]:
+        those outputs are never stored."""
         last_col = num_cols - 1
         for i in cutlass.range_constexpr(cute.size(acc)):
-            col = cutlass.min(col_start + tCcC[i][1], last_col)
-            acc[i] = acc[i] + Float32(mBias[col])
+            if cutlass.const_expr(self.has_bias):
+                col = cutlass.min(col_start + tCcC[i][1], last_col)
+                acc[i] = acc[i] * alpha + Float32(mBias[col])
+            else:
+                acc[i] = acc[i] * alpha
 
     @cute.jit
     def _store_direct(self, acc, tCcC, mC_mnl, tile_m_idx, tile_n_idx, batch_idx):
@@ -470,8 +474,8 @@ def build(spec: KernelSpec):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if gemm.has_bias:
         mBias = cute.runtime.make_fake_compact_tensor(ab_dtype, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES)
-        return gemm.run_with_bias, (mA, mB, mBias, mC, Int32(1), stream)
-    return gemm.run, (mA, mB, mC, Int32(1), stream)
+        return gemm.run_with_bias, (mA, mB, mBias, mC, Float32(1.0), Int32(1), stream)
+    return gemm.run, (mA, mB, mC, Float32(1.0), Int32(1), stream)
 
 
 def shipped(arch: str):
@@ -513,6 +517,7 @@ def _plan(ab, out, a_k_major, b_k_major, has_bias, activation, m, n, k, batch, d
     return get_compiled(spec), sm_count // (config.cluster_m * config.cluster_n)
 
 
-def launch(a, b, bias, activation, out, config: GemmConfig | None = None) -> None:
-    """out[l] = act(a[l] @ b[l] + bias) on the current stream. ``config`` overrides the heuristic."""
-    gemm_host.launch(_plan, a, b, bias, activation, out, config)
+def launch(a, b, bias, activation, out, alpha: float = 1.0, config: GemmConfig | None = None) -> None:
+    """out[l] = act(alpha * a[l] @ b[l] + bias) on the current stream. ``config`` overrides the
+    heuristic."""
+    gemm_host.launch(_plan, a, b, bias, activation, out, alpha, config)
