@@ -17,7 +17,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
     ``activation`` is None, "relu", "gelu_tanh" or "silu"; ``out_dtype`` defaults to a's dtype.
     """
-    return torch.ops.cute.gemm(a, b, bias, activation, out_dtype, float(alpha))
+    return torch.ops.cute.gemm(a, b, bias, activation, out_dtype, alpha)
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
