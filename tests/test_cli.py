@@ -33,7 +33,7 @@ def test_compile_rejects_unknown_arch():
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_compile_command_writes_one_ptx_per_variant(arch, tmp_path):
     pytest.importorskip("cutlass")
-    from torch_cute_ops.kernels import shipped_specs
+    from torch_cute_ops.runtime import shipped_specs
 
     specs = shipped_specs(arch)
     if not specs:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import torch_cute_ops as tco
-from torch_cute_ops.kernels.common.tma import tma_reason
+from torch_cute_ops.runtime.tma import tma_reason
 
 
 def r(*shape, dtype=torch.float32):

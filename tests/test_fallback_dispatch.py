@@ -20,7 +20,7 @@ def mocked_gpu(monkeypatch):
     def use(cap):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: cap)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        monkeypatch.setattr(dispatch, "_kernel_module", lambda op, arch: f"module for {op} on {arch}")
+        monkeypatch.setattr(dispatch, "_host", lambda op, arch: f"module for {op} on {arch}")
         dispatch._device_arch.cache_clear()
     yield use
     dispatch._device_arch.cache_clear()
@@ -38,7 +38,7 @@ def test_kernel_for_follows_device_capability(mocked_gpu, cap, expected):
 
 def test_missing_kernel_family_is_a_reason_not_an_error():
     dispatch.reset_cache()
-    reason = dispatch._kernel_module("gemm", "sm120")
+    reason = dispatch._host("gemm", "sm120")
     assert reason == "no gemm kernel for sm120"
 
 
@@ -66,3 +66,29 @@ def test_strict_mode_raises_instead_of_falling_back(monkeypatch):
     with pytest.raises(fallback.FallbackError, match=r"torch_cute_ops.gemm: no kernel for this case \(why\)"):
         fallback.note("gemm", "why")
     assert fallback.counts() == {}
+
+
+def test_constant_result_marks_like_the_dynamo_decorator():
+    """fallback.constant_result stands in for torch.compiler.assume_constant_result at import
+    time (so that import never loads torch._dynamo): both must mark a function the same way."""
+    import torch._dynamo  # noqa: F401
+
+    def mine():
+        return True
+
+    def theirs():
+        return True
+
+    marked = {k: v for k, v in vars(torch.compiler.assume_constant_result(theirs)).items()}
+    fallback_marked = dict(vars(_mark_without_dynamo(mine)))
+    assert marked == fallback_marked == {"_dynamo_marked_constant": True}
+
+
+def _mark_without_dynamo(fn):
+    import sys
+
+    saved = sys.modules.pop("torch._dynamo")
+    try:
+        return fallback.constant_result(fn)
+    finally:
+        sys.modules["torch._dynamo"] = saved

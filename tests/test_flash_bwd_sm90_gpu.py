@@ -68,11 +68,11 @@ def _reference_grads(q, k, v, dout, scale, causal):
 
 
 def _run_ours(q, k, v, out, lse, dout, scale, causal):
-    from torch_cute_ops.kernels.sm90 import flash_bwd
+    from torch_cute_ops.runtime import attention as flash_host
 
-    assert flash_bwd.unsupported_reason(q, k, v, causal) is None
+    assert flash_host.bwd_unsupported_reason(q, k, v, causal) is None
     grads = [torch.full(t.shape, float("nan"), device="cuda", dtype=t.dtype) for t in (q, k, v)]
-    flash_bwd.launch(dout, q, k, v, out, lse, *grads, scale, causal)
+    flash_host.launch_bwd(dout, q, k, v, out, lse, *grads, scale, causal)
     torch.cuda.synchronize()
     return grads
 

@@ -10,9 +10,9 @@ import pytest
 
 cutlass = pytest.importorskip("cutlass")
 
-from torch_cute_ops.kernels import shipped_specs  # noqa: E402
-from torch_cute_ops.kernels.common.compile_cache import compile_spec  # noqa: E402
-from torch_cute_ops.kernels.sm90 import flash_bwd  # noqa: E402
+from torch_cute_ops.kernels import compile_spec  # noqa: E402
+from torch_cute_ops.runtime import attention as flash_host  # noqa: E402
+from torch_cute_ops.runtime import shipped_specs  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -30,9 +30,9 @@ def _ptx(spec, tmp_path):
                          ids=["bf16-d64", "bf16-d128-causal", "fp16-d256"])
 def test_ptx_is_warp_specialized_wgmma_with_tma(spec_args, tmp_path):
     dtype, head_dim, causal = spec_args
-    ptx = _ptx(flash_bwd._spec(dtype, head_dim, causal), tmp_path)
+    ptx = _ptx(flash_host.bwd_spec(dtype, head_dim, causal), tmp_path)
     assert ".target sm_90a" in ptx
-    tile_m, tile_n, _ = flash_bwd.TILE_CONFIGS[head_dim]
+    tile_m, tile_n, _ = flash_host.BWD_TILES[head_dim]
     # per query block, per 64-row WGMMA atom of a warpgroup: S and dP (head_dim / 16 k-steps;
     # transposed, one 64-key atom), dQ (tile_n / 16), dV and dK (tile_m / 16, one 64-key atom)
     sdp_atoms = 1 if tile_n == 128 else tile_m // 64

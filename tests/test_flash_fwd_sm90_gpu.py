@@ -42,14 +42,14 @@ def random_bshd(batch, seqlen, heads, head_dim, dtype, scale=1.0):
 
 
 def run_kernel(q, k, v, causal, softmax_scale=None):
-    from torch_cute_ops.kernels.sm90 import flash_fwd
+    from torch_cute_ops.runtime import attention as flash_host
 
-    assert flash_fwd.unsupported_reason(q, k, v, causal) is None
+    assert flash_host.fwd_unsupported_reason(q, k, v, causal) is None
     b, s_q, h_q, d = q.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     out = torch.full((b, s_q, h_q, d), float("nan"), device="cuda", dtype=q.dtype)
     lse = torch.full((b, h_q, s_q), float("nan"), device="cuda", dtype=torch.float32)
-    flash_fwd.launch(q, k, v, out, lse, scale, causal)
+    flash_host.launch_fwd(q, k, v, out, lse, scale, causal)
     return out, lse, scale
 
 
@@ -136,13 +136,13 @@ def test_softmax_scale_is_used():
 
 
 def test_unsupported_reasons():
-    from torch_cute_ops.kernels.sm90 import flash_fwd
+    from torch_cute_ops.runtime import attention as flash_host
 
     q = random_bshd(1, 16, 2, 128, torch.bfloat16)
-    assert flash_fwd.unsupported_reason(q, q, q, False) is None
+    assert flash_host.fwd_unsupported_reason(q, q, q, False) is None
     q80 = random_bshd(1, 16, 2, 80, torch.bfloat16)
-    assert "head dim" in flash_fwd.unsupported_reason(q80, q80, q80, False)
+    assert "head dim" in flash_host.fwd_unsupported_reason(q80, q80, q80, False)
     q32 = q.float()
-    assert flash_fwd.unsupported_reason(q32, q32, q32, False) is not None
+    assert flash_host.fwd_unsupported_reason(q32, q32, q32, False) is not None
     k3 = random_bshd(1, 16, 3, 128, torch.bfloat16)
-    assert flash_fwd.unsupported_reason(q, k3, k3, False) is not None
+    assert flash_host.fwd_unsupported_reason(q, k3, k3, False) is not None

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from torch_cute_ops.kernels.sm90 import flash_fwd
+from torch_cute_ops.runtime import attention as flash_host
 
 # (dtype, head_dim, causal): the 2-WG pingpong tile, its causal twin, and the 3-WG tile
 VARIANTS = [("bf16", 128, False), ("bf16", 128, True), ("fp16", 64, False)]
@@ -20,12 +20,12 @@ VARIANTS = [("bf16", 128, False), ("bf16", 128, True), ("fp16", 64, False)]
 def ptx_by_variant(tmp_path_factory):
     import os
 
-    from torch_cute_ops.kernels.common.compile_cache import compile_spec
+    from torch_cute_ops.kernels import compile_spec
 
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     found = {}
     for dtype, head_dim, causal in VARIANTS:
-        spec = flash_fwd._spec(dtype, head_dim, causal)
+        spec = flash_host.fwd_spec(dtype, head_dim, causal)
         dump = tmp_path_factory.mktemp(f"{dtype}_{head_dim}_{int(causal)}")
         compile_spec(spec, dump_dir=dump)
         (ptx,) = dump.glob("*.ptx")
@@ -50,7 +50,7 @@ def test_fa3_instruction_mix(ptx_by_variant, variant):
     rs = [line for line in lines if re.search(r"\},\s*\{[^}]*\},\s*%rd", line)]
     ss = [line for line in lines if re.search(r"\},\s*%rd\d+,\s*%rd\d+", line)]
     assert rs and ss, f"expected SS and RS wgmma, got {len(ss)} SS / {len(rs)} RS"
-    tile_n = flash_fwd.config_for(head_dim, causal).tile_n
+    tile_n = flash_host.config_for(head_dim, causal).tile_n
     assert all(f"m64n{tile_n}k16.f32.{ab}" in line for line in ss)
     assert all(f"m64n{head_dim}k16.f32.{ab}" in line for line in rs)
 
@@ -84,11 +84,13 @@ def test_causal_variant_masks_more(ptx_by_variant):
 
 
 def test_shipped_variants():
-    specs = list(flash_fwd.shipped("sm_90a"))
-    assert flash_fwd._spec("bf16", 128, True) in specs and len(specs) <= 8
-    assert flash_fwd.shipped("sm_100a") == []
-    for head_dim in flash_fwd.HEAD_DIMS:
-        cfg = flash_fwd.config_for(head_dim, False)
+    from torch_cute_ops.runtime import shipped_specs
+
+    specs = shipped_specs("sm_90a", "flash_fwd_sm90")
+    assert flash_host.fwd_spec("bf16", 128, True) in specs and len(specs) <= 8
+    assert shipped_specs("sm_100a", "flash_fwd_sm90") == []
+    for head_dim in flash_host.HEAD_DIMS:
+        cfg = flash_host.config_for(head_dim, False)
         o_tile = cfg.tile_m if cfg.separate_o else 0
         smem = 2 * head_dim * (cfg.tile_m + o_tile + 2 * cfg.num_stages * cfg.tile_n)
         assert smem <= 227 * 1024, (head_dim, smem)

@@ -9,10 +9,12 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from torch_cute_ops.kernels import shipped_specs  # noqa: E402
-from torch_cute_ops.kernels.common.gemm_config import GemmConfig, choose_config  # noqa: E402
 from torch_cute_ops.kernels.common.tile_scheduler import PersistentTileScheduler  # noqa: E402
-from torch_cute_ops.kernels.sm100 import gemm as sm100_gemm  # noqa: E402
+from torch_cute_ops.kernels.sm100 import gemm as sm100_kernel  # noqa: E402
+from torch_cute_ops.runtime import gemm as gemm_runtime  # noqa: E402
+from torch_cute_ops.runtime import shipped_specs  # noqa: E402
+from torch_cute_ops.runtime.gemm import SM100 as sm100_gemm  # noqa: E402
+from torch_cute_ops.runtime.gemm_config import GemmConfig, choose_config  # noqa: E402
 
 B200_SMS = 148
 SHAPES = [(8192, 8192, 8192, 1), (4096, 4096, 4096, 1), (2048, 2048, 2048, 1), (8192, 1024, 1024, 1),
@@ -23,33 +25,33 @@ SHAPES = [(8192, 8192, 8192, 1), (4096, 4096, 4096, 1), (2048, 2048, 2048, 1), (
 @pytest.mark.parametrize("m,n,k,batch", SHAPES)
 def test_heuristic_picks_a_runnable_config(m, n, k, batch):
     config = choose_config("sm_100a", m, n, k, batch, B200_SMS)
-    assert sm100_gemm.config_supported(config), config
-    assert 2 * config.tile_n <= sm100_gemm.TMEM_COLUMNS  # two fp32 accumulator buffers
+    assert sm100_kernel.config_supported(config), config
+    assert 2 * config.tile_n <= sm100_kernel.TMEM_COLUMNS  # two fp32 accumulator buffers
 
 
 def test_config_supported():
-    assert sm100_gemm.config_supported(GemmConfig(256, 128, 2, 1))
-    assert not sm100_gemm.config_supported(GemmConfig(256, 128, 1, 2))  # no CTA pair along M
-    assert not sm100_gemm.config_supported(GemmConfig(64, 128))
-    assert not sm100_gemm.config_supported(GemmConfig(128, 256, pingpong=True))
+    assert sm100_kernel.config_supported(GemmConfig(256, 128, 2, 1))
+    assert not sm100_kernel.config_supported(GemmConfig(256, 128, 1, 2))  # no CTA pair along M
+    assert not sm100_kernel.config_supported(GemmConfig(64, 128))
+    assert not sm100_kernel.config_supported(GemmConfig(128, 256, pingpong=True))
     with pytest.raises(ValueError):
-        sm100_gemm.GemmSm100(None, None, False, None, GemmConfig(128, 512))
+        sm100_kernel.GemmSm100(None, None, False, None, GemmConfig(128, 512))
 
 
 def test_heuristic_tile_sizes_follow_the_problem():
     big = choose_config("sm_100a", 8192, 8192, 8192, 1, B200_SMS)
-    assert sm100_gemm.is_two_cta(big) and big.tile_mn == (256, 256) and big.cluster_mn == (4, 1)
+    assert sm100_kernel.is_two_cta(big) and big.tile_mn == (256, 256) and big.cluster_mn == (4, 1)
     assert choose_config("sm_100a", 1024, 8192, 4096, 1, B200_SMS).cluster_mn == (2, 1)
     assert choose_config("sm_100a", 128, 32768, 4096, 1, B200_SMS).tile_mn == (128, 256)
     small = choose_config("sm_100a", 64, 4096, 4096, 1, B200_SMS)
-    assert not sm100_gemm.is_two_cta(small) and small.tile_n <= 128
+    assert not sm100_kernel.is_two_cta(small) and small.tile_n <= 128
     narrow = choose_config("sm_100a", 65536, 64, 4096, 1, B200_SMS)  # no MMA columns past N
-    assert sm100_gemm.is_two_cta(narrow) and narrow.tile_n == 64
+    assert sm100_kernel.is_two_cta(narrow) and narrow.tile_n == 64
 
 
 def _simulate(m, n, batch, config: GemmConfig, max_clusters: int):
     """Run the kernel's schedule on the host: which CTA computes which 128-row CTA tile."""
-    two_cta = sm100_gemm.is_two_cta(config)
+    two_cta = sm100_kernel.is_two_cta(config)
     cta_tile = (config.tile_m // (2 if two_cta else 1), config.tile_n)
     sched = PersistentTileScheduler.create((m, n, batch), cta_tile, config.cluster_mn,
                                            config.group_size, config.band_along_m)
@@ -81,19 +83,18 @@ def test_schedule_covers_every_output_tile_once(config, m, n, batch):
         # only whole clusters past the edge are extra (their TMA stores are clipped away)
         assert all(i < -(-m // cta_m) + config.cluster_m and j < -(-n // cta_n) + config.cluster_n
                    for i, j, _ in done)
-        if sm100_gemm.is_two_cta(config):  # both halves of an MMA tile run in one cluster, same unit
+        if sm100_kernel.is_two_cta(config):  # both halves of an MMA tile run in one cluster, same unit
             for (i, j, l), where in done.items():
                 assert done[(i ^ 1, j, l)] == where
 
 
 def test_specs_round_trip_and_register():
-    for spec in sm100_gemm.shipped("sm_100a"):
+    for spec in sm100_gemm.shipped():
         config = GemmConfig.from_spec_params(spec)
-        rebuilt = sm100_gemm.make_spec(spec["ab"], spec["out"], spec["bias"],
-                                       None if spec["act"] == "none" else spec["act"],
-                                       spec["a_major"], spec["b_major"], config)
+        rebuilt = sm100_gemm.spec(spec["ab"], spec["out"], spec["a_major"] == "k", spec["b_major"] == "k",
+                                  spec["bias"], None if spec["act"] == "none" else spec["act"], config)
         assert rebuilt == spec
-    assert set(shipped_specs("sm_100a", "gemm_sm100")) == set(sm100_gemm.shipped("sm_100a"))
+    assert set(shipped_specs("sm_100a", "gemm_sm100")) == set(sm100_gemm.shipped())
 
 
 def _operand(batch, rows, cols, cols_major, dtype=torch.bfloat16):
@@ -123,16 +124,15 @@ class _Recorder:
 
 
 def test_launch_contract(monkeypatch):
-    """The compiled function gets (a, b[, bias], out, max_clusters) in torch order; plans are cached."""
+    """The compiled function gets (a, b[, bias], out, alpha, max_clusters) in torch order."""
     compiled = {}
 
     def fake_get_compiled(spec):
         return compiled.setdefault(spec, _Recorder())
 
-    monkeypatch.setattr(sm100_gemm, "get_compiled", fake_get_compiled)
-    monkeypatch.setattr(sm100_gemm, "_sm_count", lambda index: B200_SMS)
+    monkeypatch.setattr(gemm_runtime, "get_compiled", fake_get_compiled)
+    monkeypatch.setattr(gemm_runtime, "sm_count", lambda index: B200_SMS)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    sm100_gemm._plan.cache_clear()
 
     a, b = _operand(1, 4096, 4096, True), _operand(1, 4096, 4096, False)  # b K-major: x @ W.T
     bias = torch.randn(4096).to(torch.bfloat16)
@@ -142,7 +142,6 @@ def test_launch_contract(monkeypatch):
     (spec, fn), = compiled.items()
     assert (spec["a_major"], spec["b_major"], spec["bias"], spec["act"]) == ("k", "k", True, "gelu_tanh")
     assert spec["tile"] == (256, 256) and spec["cluster"] == (4, 1)
-    assert sm100_gemm._plan.cache_info().hits == 1
     args = fn.calls[0]
     assert len(args) == 6 and args[2] is bias and args[4] == 1.0 and args[5] == B200_SMS // 4
     assert args[0].shape == a.shape and args[1].shape == b.shape and args[3].data_ptr() == out.data_ptr()
@@ -152,3 +151,4 @@ def test_launch_contract(monkeypatch):
     assert len(compiled[spec].calls[0]) == 5 and compiled[spec].calls[0][4] == B200_SMS
     sm100_gemm.launch(a, b, None, None, out[:, :0])  # empty output: nothing to launch
     assert sum(len(r.calls) for r in compiled.values()) == 3
+    assert sm100_gemm.spec("bf16", "bf16", True, True, False, None, GemmConfig(128, 128)).family == "gemm_sm100"

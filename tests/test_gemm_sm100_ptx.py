@@ -13,11 +13,12 @@ pytest.importorskip("cutlass")
 
 import cutlass.cute as cute  # noqa: E402
 
-from torch_cute_ops.kernels.common.compile_cache import COMPILE_OPTIONS  # noqa: E402
-from torch_cute_ops.kernels.common.gemm_config import GemmConfig  # noqa: E402
+from torch_cute_ops.kernels import COMPILE_OPTIONS  # noqa: E402
 from torch_cute_ops.kernels.sm100 import gemm as sm100_gemm  # noqa: E402
+from torch_cute_ops.runtime.gemm import SM100 as sm100_host  # noqa: E402
+from torch_cute_ops.runtime.gemm_config import GemmConfig  # noqa: E402
 
-SHIPPED = sm100_gemm.shipped("sm_100a")
+SHIPPED = sm100_host.shipped()
 
 
 def _compile(spec, dump_dir):
@@ -100,7 +101,7 @@ def _check_variant(spec, tmp_path):
 
 
 def test_shipped_variants_cover_the_brief():
-    assert sm100_gemm.shipped("sm_90a") == []
+    assert all(spec.arch == "sm_100a" for spec in SHIPPED)
     assert {s["tile"][0] for s in SHIPPED} == {128, 256}  # 1-CTA and 2-CTA
     assert any(s["cluster"] == (4, 1) for s in SHIPPED)  # multicast beyond the pair
     assert {s["bias"] for s in SHIPPED} == {False, True}
@@ -114,13 +115,14 @@ def test_shipped_ptx(spec, tmp_path):
 
 
 # configs the heuristic picks that no shipped variant uses, and the remaining majorness combos
+# (a K-major, b K-major)
 SWEEP = [
-    sm100_gemm.make_spec("bf16", "bf16", True, "silu", "m", "k", GemmConfig(128, 128)),
-    sm100_gemm.make_spec("fp16", "fp16", False, None, "k", "n", GemmConfig(128, 64)),
-    sm100_gemm.make_spec("bf16", "fp32", True, "gelu_tanh", "m", "n", GemmConfig(256, 256, 2, 1)),
-    sm100_gemm.make_spec("bf16", "bf16", True, "relu", "k", "k", GemmConfig(256, 256, 4, 1)),
-    sm100_gemm.make_spec("fp16", "fp16", True, "gelu_tanh", "k", "n", GemmConfig(256, 64, 4, 1)),
-    sm100_gemm.make_spec("bf16", "bf16", False, None, "m", "k", GemmConfig(256, 128, 2, 1)),
+    sm100_host.spec("bf16", "bf16", False, True, True, "silu", GemmConfig(128, 128)),
+    sm100_host.spec("fp16", "fp16", True, False, False, None, GemmConfig(128, 64)),
+    sm100_host.spec("bf16", "fp32", False, False, True, "gelu_tanh", GemmConfig(256, 256, 2, 1)),
+    sm100_host.spec("bf16", "bf16", True, True, True, "relu", GemmConfig(256, 256, 4, 1)),
+    sm100_host.spec("fp16", "fp16", True, False, True, "gelu_tanh", GemmConfig(256, 64, 4, 1)),
+    sm100_host.spec("bf16", "bf16", False, True, False, None, GemmConfig(256, 128, 2, 1)),
 ]
 
 

@@ -52,7 +52,7 @@ def check(out, ref, dtype):
 
 def run_case(m, n, k, *, batch=1, a_k_major=True, b_n_major=True, dtype=torch.bfloat16, out_dtype=None,
              bias=False, activation=None, batch_gap=0, config=None, alpha=1.0):
-    from torch_cute_ops.kernels.sm90 import gemm as sm90_gemm
+    from torch_cute_ops.runtime.gemm import SM90 as sm90_gemm
 
     torch.backends.cuda.matmul.allow_tf32 = False
     out_dtype = out_dtype or dtype
@@ -121,7 +121,7 @@ CONFIGS = [(128, 256, 2, 1, False), (128, 128, 1, 1, False), (128, 128, 1, 2, Fa
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "{}x{}_c{}x{}_pp{:d}".format(*c))
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_configs(config, out_dtype):
-    from torch_cute_ops.kernels.common.gemm_config import GemmConfig
+    from torch_cute_ops.runtime.gemm_config import GemmConfig
 
     tile_m, tile_n, cluster_m, cluster_n, pingpong = config
     config = GemmConfig(tile_m, tile_n, cluster_m, cluster_n, group_size=3, pingpong=pingpong)

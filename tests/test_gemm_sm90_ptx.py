@@ -8,13 +8,13 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from torch_cute_ops.kernels.common.compile_cache import compile_spec  # noqa: E402
-from torch_cute_ops.kernels.common.gemm_config import GemmConfig, choose_config  # noqa: E402
+from torch_cute_ops.kernels import compile_spec  # noqa: E402
 from torch_cute_ops.kernels.common.tile_scheduler import PersistentTileScheduler  # noqa: E402
-from torch_cute_ops.kernels.common import gemm_host  # noqa: E402
-from torch_cute_ops.kernels.sm90 import gemm as sm90_gemm  # noqa: E402
+from torch_cute_ops.runtime.gemm import SM90 as sm90_gemm  # noqa: E402
+from torch_cute_ops.runtime.gemm import operand_strides  # noqa: E402
+from torch_cute_ops.runtime.gemm_config import GemmConfig, choose_config  # noqa: E402
 
-SHIPPED = sm90_gemm.shipped("sm_90a")
+SHIPPED = sm90_gemm.shipped()
 
 
 def _ptx(dump_dir):
@@ -37,7 +37,7 @@ def test_shipped_ptx(spec, tmp_path):
 
 def test_fp32_out_m_major_ptx(tmp_path):
     """A M-major, B K-major, fp32 output without stmatrix, single warpgroup tile."""
-    spec = sm90_gemm._spec("fp16", "fp32", False, True, True, "silu", GemmConfig(64, 128))
+    spec = sm90_gemm.spec("fp16", "fp32", False, True, True, "silu", GemmConfig(64, 128))
     compile_spec(spec, dump_dir=tmp_path)
     ptx = _ptx(tmp_path)
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
@@ -45,7 +45,7 @@ def test_fp32_out_m_major_ptx(tmp_path):
 
 def test_pingpong_ptx(tmp_path):
     """Ping-pong: two 128x128 warpgroup tiles, turn-taking named barriers between them."""
-    spec = sm90_gemm._spec("bf16", "bf16", True, False, False, None, GemmConfig(128, 128, 2, 1, pingpong=True))
+    spec = sm90_gemm.spec("bf16", "bf16", True, False, False, None, GemmConfig(128, 128, 2, 1, pingpong=True))
     compile_spec(spec, dump_dir=tmp_path)
     ptx = _ptx(tmp_path)
     assert "wgmma.mma_async" in ptx and "bar.arrive" in ptx
@@ -62,12 +62,13 @@ def _operand(batch, rows, cols, cols_major):
     (1000, 1, True, False), (1000, 1, False, False), (1, 1, True, True),
 ])
 def test_operand_majorness(rows, cols, cols_major, expect_cols_major):
-    view, got = gemm_host.operand_view(_operand(1, rows, cols, cols_major))
+    t = _operand(1, rows, cols, cols_major)
+    strides, got = operand_strides(t.shape, t.stride(), t.element_size())
     assert got == expect_cols_major
     # every stride the TMA sees is 16-byte aligned except the unit one
     unit = 2 if got else 1
-    assert view.stride(unit) == 1
-    assert all(view.stride(d) % 8 == 0 for d in range(3) if d != unit)
+    assert strides[unit] == 1
+    assert all(strides[d] % 8 == 0 for d in range(3) if d != unit)
 
 
 def test_unsupported_reasons():

@@ -8,8 +8,13 @@
     python -m torch_cute_ops compile --arch {sm_90a,sm_100a} [--kernel NAME] --ptx-dir DIR
         compiles every kernel variant the package ships for that arch (no GPU needed), writes
         one .ptx (and .cubin) per variant named by kernel and config, and prints the variants
-        with counts of the key instructions. The compiled variants also land in the on-disk
-        cache, so running it on a GPU machine pre-warms that cache.
+        with counts of the key instructions.
+
+    python -m torch_cute_ops aot --arch sm_90a [--arch sm_100a] --out DIR [--ptx-dir DIR]
+        builds the ahead-of-time kernel library (no GPU needed): every shipped variant of each
+        arch in DIR/<arch>/libtorch_cute_ops_<arch>.so plus DIR/<arch>/manifest.json. Point
+        TORCH_CUTE_OPS_AOT_DIR at DIR, or build into torch_cute_ops/_aot before building a
+        wheel, and processes load those kernels without importing the CuTe DSL.
 """
 
 from __future__ import annotations
@@ -42,10 +47,21 @@ def count_instructions(ptx: str, names=KEY_INSTRUCTIONS) -> dict[str, int]:
     return counts
 
 
+def _dump_rows(spec, seconds: float, dump: Path, ptx_dir: Path) -> dict:
+    """Copy a compiled variant's PTX and cubin to ``ptx_dir``; its row of the report."""
+    ptx = "\n".join(p.read_text() for p in sorted(Path(dump).glob("*.ptx")))
+    cubins = sorted(Path(dump).glob("*.cubin"))
+    (ptx_dir / f"{spec.name}.ptx").write_text(ptx)
+    for i, cubin in enumerate(cubins):
+        shutil.copy(cubin, ptx_dir / f"{spec.name}{'' if i == 0 else f'.{i}'}.cubin")
+    return {"variant": spec.name, "family": spec.family, "seconds": seconds, "cubin": bool(cubins),
+            "target": spec.arch in ptx, **count_instructions(ptx)}
+
+
 def compile_variants(arch: str, ptx_dir: Path, kernel: str | None = None, out=sys.stdout) -> list[dict]:
     """Compile every shipped variant for ``arch`` into ``ptx_dir``; return one row per variant."""
-    from .kernels import shipped_specs
-    from .kernels.common.compile_cache import compile_spec, store_to_disk
+    from .kernels import compile_spec
+    from .runtime import shipped_specs
 
     specs = shipped_specs(arch, kernel)
     if not specs:
@@ -56,20 +72,33 @@ def compile_variants(arch: str, ptx_dir: Path, kernel: str | None = None, out=sy
     for spec in specs:
         with tempfile.TemporaryDirectory() as dump:
             start = time.perf_counter()
-            compiled = compile_spec(spec, dump_dir=dump)
-            seconds = time.perf_counter() - start
-            store_to_disk(spec, compiled)
-            ptx_files = sorted(Path(dump).glob("*.ptx"))
-            cubins = sorted(Path(dump).glob("*.cubin"))
-            ptx = "\n".join(p.read_text() for p in ptx_files)
-            (ptx_dir / f"{spec.name}.ptx").write_text(ptx)
-            for i, cubin in enumerate(cubins):
-                shutil.copy(cubin, ptx_dir / f"{spec.name}{'' if i == 0 else f'.{i}'}.cubin")
-        row = {"variant": spec.name, "family": spec.family, "seconds": seconds,
-               "cubin": bool(cubins), "target": arch in ptx, **count_instructions(ptx)}
-        rows.append(row)
-        _print_row(row, out, header=len(rows) == 1)
+            compile_spec(spec, dump_dir=dump)
+            rows.append(_dump_rows(spec, time.perf_counter() - start, Path(dump), ptx_dir))
+        _print_row(rows[-1], out, header=len(rows) == 1)
     return rows
+
+
+def build_aot(arches: list[str], out_dir: Path, ptx_dir: Path | None = None, out=sys.stdout) -> list[Path]:
+    """``aot``: one library + manifest per arch under ``out_dir``; PTX/cubin to ``ptx_dir`` too."""
+    from .runtime import aot, shipped_specs
+
+    manifests = []
+    for arch in arches:
+        rows: list[dict] = []
+
+        def report(spec, seconds, dump):
+            if ptx_dir is not None:
+                ptx_dir.mkdir(parents=True, exist_ok=True)
+                rows.append(_dump_rows(spec, seconds, dump, ptx_dir))
+                _print_row(rows[-1], out, header=len(rows) == 1)
+            else:
+                print(f"{seconds:5.1f}  {spec.symbol}  {spec.name}", file=out)
+
+        manifest = aot.build_library(arch, out_dir, shipped_specs(arch), report, ptx_dir)
+        library = aot.library_path(out_dir, arch)
+        print(f"{arch}: {library} ({library.stat().st_size / 1024:.0f} KiB), manifest {manifest}", file=out)
+        manifests.append(manifest)
+    return manifests
 
 
 def _print_row(row: dict, out, header: bool) -> None:
@@ -106,8 +135,8 @@ def _kernels_here(device: torch.device) -> list[tuple[str, str]]:
 
     rows = []
     for op in ("gemm", "flash_attn_fwd", "flash_attn_bwd"):
-        kernel = dispatch.kernel_for(op, device)
-        rows.append((op, kernel if isinstance(kernel, str) else f"kernel {kernel.__name__}"))
+        host = dispatch.kernel_for(op, device)
+        rows.append((op, host if isinstance(host, str) else f"kernel ({getattr(host, 'arch', 'sm_90a')})"))
     return rows
 
 
@@ -229,8 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     comp.add_argument("--arch", required=True, choices=("sm_90a", "sm_100a"))
     comp.add_argument("--kernel", default=None, help="only the variants of this family (e.g. gemm, gemm_sm90)")
     comp.add_argument("--ptx-dir", required=True, type=Path)
+    aot = sub.add_parser("aot", help="build the ahead-of-time kernel library of every shipped variant")
+    aot.add_argument("--arch", required=True, action="append", choices=("sm_90a", "sm_100a"))
+    aot.add_argument("--out", required=True, type=Path)
+    aot.add_argument("--ptx-dir", type=Path, default=None, help="also keep each variant's PTX and cubin here")
     args = parser.parse_args(argv)
     if args.command == "compile":
         rows = compile_variants(args.arch, args.ptx_dir, args.kernel)
         return 0 if rows else 1
+    if args.command == "aot":
+        build_aot(list(dict.fromkeys(args.arch)), args.out, args.ptx_dir)
+        return 0
     return main_job()

@@ -6,7 +6,9 @@ import math
 
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.cute.*)
+from .ops import attention as _attention
+from .ops import gemm as _gemm
+from .ops.direct import dispatcher_free
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
@@ -17,6 +19,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
     ``activation`` is None, "relu", "gelu_tanh" or "silu"; ``out_dtype`` defaults to a's dtype.
     """
+    if dispatcher_free(a, b, bias):
+        return _gemm.gemm_impl(a, b, bias, activation, out_dtype, float(alpha))
     return torch.ops.cute.gemm(a, b, bias, activation, out_dtype, alpha)
 
 
@@ -31,7 +35,10 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                          f"got shape {tuple(input.shape)}")
     lead = input.shape[:-1]
     flat = input.reshape(-1, input.shape[-1])  # a view whenever the leading dims allow it
-    out = torch.ops.cute.gemm(flat, weight.t(), bias, None, None)  # weight.t(): K-major B, no copy
+    if dispatcher_free(input, weight, bias):
+        out = _gemm.gemm_impl(flat, weight.t(), bias)  # weight.t(): K-major B, no copy
+    else:
+        out = torch.ops.cute.gemm(flat, weight.t(), bias, None, None)
     return out.view(*lead, weight.shape[0])
 
 
@@ -45,5 +52,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = torch.ops.cute.flash_attn_fwd(q, k, v, float(softmax_scale), bool(causal))
+    if dispatcher_free(q, k, v):
+        out, lse = _attention.flash_attn_fwd_impl(q, k, v, float(softmax_scale), bool(causal))
+    else:
+        out, lse = torch.ops.cute.flash_attn_fwd(q, k, v, float(softmax_scale), bool(causal))
     return (out, lse) if return_lse else out

@@ -22,15 +22,16 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import ops  # noqa: F401  (registers torch.ops.cute.*)
+from .ops import attention as _attention
 from .ops import dispatch, fallback
+from .ops.direct import dispatcher_free
 
 _torch_sdpa = F.scaled_dot_product_attention
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_HEAD_DIM = 256
 
 
-@torch.compiler.assume_constant_result
+@fallback.constant_result
 def _device_has_kernel(device: torch.device) -> bool:
     return not isinstance(dispatch.kernel_for("flash_attn_fwd", device), str)
 
@@ -72,8 +73,11 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    out, _ = torch.ops.cute.flash_attn_fwd(query.transpose(1, 2), key.transpose(1, 2),
-                                           value.transpose(1, 2), float(scale), bool(is_causal))
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if dispatcher_free(q, k, v):
+        out, _ = _attention.flash_attn_fwd_impl(q, k, v, float(scale), bool(is_causal))
+    else:
+        out, _ = torch.ops.cute.flash_attn_fwd(q, k, v, float(scale), bool(is_causal))
     return out.transpose(1, 2)
 
 

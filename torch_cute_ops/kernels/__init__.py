@@ -1,26 +1,23 @@
-"""CuTe DSL kernels, one family per file per architecture.
+"""CuTe DSL device code: one kernel family per file per architecture.
 
-Every family module exposes ``FAMILY``, a :class:`KernelFamily`:
-
-* ``shipped(arch)`` lists the :class:`KernelSpec` variants the package ships for an
-  arch (what ``python -m torch_cute_ops compile`` builds and what pre-warms caches);
-* ``build(spec)`` returns ``(jit_fn, fake_args)``: a ``@cute.jit`` host function and
-  the fake arguments (``cute.sym_int`` shapes, a TVM-FFI env stream) to compile it
-  with. ``compile_cache`` owns the ``cute.compile`` call.
-
-Families are imported lazily so that ``import torch_cute_ops`` never imports the DSL.
+Every family module exposes ``build(spec) -> (jit_fn, fake_args)``: a ``@cute.jit`` host
+function and the fake arguments (``cute.sym_int`` shapes, a TVM-FFI env stream) to compile
+it with. Which variants exist, and everything that runs per call, lives in the DSL-free
+``torch_cute_ops.runtime``; this package is imported only to compile a variant.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+import os
+from pathlib import Path
 
-from .common.compile_cache import KernelSpec
+from ..runtime.spec import KernelSpec
 
-# family name -> module that defines FAMILY
-_FAMILY_MODULES = {
+COMPILE_OPTIONS = "--enable-tvm-ffi"
+
+# family name -> module that defines build(spec)
+FAMILY_MODULES = {
     "gemm_sm90": "torch_cute_ops.kernels.sm90.gemm",
     "gemm_sm100": "torch_cute_ops.kernels.sm100.gemm",
     "flash_fwd_sm90": "torch_cute_ops.kernels.sm90.flash_fwd",
@@ -28,26 +25,18 @@ _FAMILY_MODULES = {
 }
 
 
-@dataclass(frozen=True)
-class KernelFamily:
-    name: str
-    arch: str
-    shipped: Callable[[str], Iterable[KernelSpec]]
-    build: Callable[[KernelSpec], tuple[Callable, tuple[Any, ...]]]
+def build(spec: KernelSpec):
+    """``(jit_fn, fake_args)`` of one variant (imports the CuTe DSL)."""
+    return importlib.import_module(FAMILY_MODULES[spec.family]).build(spec)
 
 
-def available_families() -> dict[str, KernelFamily]:
-    """Every family the package ships (imports the CuTe DSL)."""
-    return {name: importlib.import_module(module).FAMILY for name, module in _FAMILY_MODULES.items()}
+def compile_spec(spec: KernelSpec, dump_dir: str | os.PathLike | None = None):
+    """Compile one variant now, with no cache. With ``dump_dir``, keep its PTX and cubin there."""
+    import cutlass.cute as cute
 
-
-def family_of(spec: KernelSpec) -> KernelFamily:
-    return importlib.import_module(_FAMILY_MODULES[spec.family]).FAMILY
-
-
-def shipped_specs(arch: str, family: str | None = None) -> list[KernelSpec]:
-    specs = []
-    for name, fam in available_families().items():
-        if fam.arch == arch and (family is None or name == family or name.startswith(family + "_")):
-            specs.extend(fam.shipped(arch))
-    return specs
+    jit_fn, fake_args = build(spec)
+    options = f"{COMPILE_OPTIONS} --gpu-arch={spec.arch}"
+    if dump_dir is not None:
+        Path(dump_dir).mkdir(parents=True, exist_ok=True)
+        options += f" --keep-ptx --keep-cubin --dump-dir={Path(dump_dir).resolve()}"
+    return cute.compile(jit_fn, *fake_args, options=options)

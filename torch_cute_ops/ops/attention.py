@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.common.tma import tma_reason
 from ..reference import attention as reference
+from ..runtime.attention import pointer_reason
+from ..runtime.tma import tma_reason
 from . import checks, dispatch, fallback
 from .schemas import lib, qualname, register_impl
 
@@ -39,17 +40,19 @@ def _validate_qkv(q, k, v) -> None:
         raise ValueError(f"q: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
 
 
-def _kernel_or_reason(op: str, q, k, v, causal, extra=()):
-    """The kernel module and None, or None and why no kernel covers the case. The kernel checks
-    q, k, v itself; ``extra`` names other inputs it reads through the TMA."""
-    kernel = dispatch.kernel_for(op, q.device)
-    if isinstance(kernel, str):
-        return None, kernel
-    for name, t in extra:
-        reason = tma_reason(name, t, (3,))
-        if reason:
-            return None, reason
-    return kernel, kernel.unsupported_reason(q, k, v, causal)
+_MAX_PLANS = 4096
+
+
+def _remember(plans: dict, key, plan):
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+    return plan
+
+
+def _qkv_key(q, k, v):
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+            q.device, k.device, v.device)
 
 
 # ---------------------------------------------------------------------------------- forward
@@ -61,19 +64,40 @@ def _fwd_outputs_like(q):
             q.new_empty((b, h, s), dtype=lse_dtype))
 
 
-def _flash_attn_fwd(q, k, v, softmax_scale, causal):
+_fwd_plans: dict[tuple, object] = {}
+
+
+def _make_fwd_plan(key, q, k, v, causal):
+    """Validate (raises on invalid input) and decide the kernel for one layout, once: a
+    launch, None when there is nothing to compute, or the reason no kernel covers it."""
     _validate_qkv(q, k, v)
+    plan = "cpu"
     if q.is_cuda:
-        kernel, reason = _kernel_or_reason("flash_attn_fwd", q, k, v, causal)
+        host = dispatch.kernel_for("flash_attn_fwd", q.device)
+        plan = host if isinstance(host, str) else host.plan_fwd(q, k, v, causal)
+    return _remember(_fwd_plans, key, plan)
+
+
+def flash_attn_fwd_impl(q, k, v, softmax_scale, causal):
+    key = (*_qkv_key(q, k, v), causal)
+    plan = _fwd_plans.get(key, False)
+    if plan is False:
+        plan = _make_fwd_plan(key, q, k, v, causal)
+    if plan is not None and not isinstance(plan, str):
+        reason = pointer_reason(("q", q), ("k", k), ("v", v))
         if reason is None:
             out, lse = _fwd_outputs_like(q)
-            kernel.launch(q, k, v, out, lse, softmax_scale, causal)
+            plan(q, k, v, out, lse, softmax_scale)
             return out, lse
-        fallback.note("flash_attn_fwd", reason)
+        plan = reason
+    if plan is None:
+        return _fwd_outputs_like(q)
+    if plan != "cpu":
+        fallback.note("flash_attn_fwd", plan)
     return reference.flash_attn_fwd(q, k, v, softmax_scale, causal)
 
 
-register_impl("flash_attn_fwd", _flash_attn_fwd)
+register_impl("flash_attn_fwd", flash_attn_fwd_impl)
 
 
 @torch.library.register_fake(qualname("flash_attn_fwd"), lib=lib)
@@ -115,19 +139,38 @@ def _validate_bwd(dout, q, k, v, out, lse) -> None:
     checks.require_same_device([("q", q), ("dout", dout), ("out", out), ("lse", lse)])
 
 
-def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal):
+_bwd_plans: dict[tuple, object] = {}
+
+
+def _make_bwd_plan(key, dout, q, k, v, out, lse, causal):
     _validate_bwd(dout, q, k, v, out, lse)
+    plan = "cpu"
     if q.is_cuda:
-        # the backward's autograd hands over whatever layout the loss produced
-        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-        kernel, reason = _kernel_or_reason("flash_attn_bwd", q, k, v, causal, (("dout", dout), ("out", out)))
+        host = dispatch.kernel_for("flash_attn_bwd", q.device)
+        plan = host
+        if not isinstance(host, str):
+            plan = (tma_reason("dout", dout, (3,), check_pointer=False)
+                    or tma_reason("out", out, (3,), check_pointer=False) or host.plan_bwd(q, k, v, causal))
+    return _remember(_bwd_plans, key, plan)
+
+
+def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal):
+    # the backward's autograd hands over whatever layout the loss produced
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    key = (*_qkv_key(q, k, v), dout.shape, dout.stride(), dout.dtype, out.shape, out.stride(), out.dtype,
+           lse.shape, lse.dtype, lse.device, causal)
+    plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, causal)
+    if not isinstance(plan, str):
+        reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
             dq = torch.empty_like(q, memory_format=torch.contiguous_format)
             dk = torch.empty_like(k, memory_format=torch.contiguous_format)
             dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-            kernel.launch(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, softmax_scale, causal)
+            plan(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, softmax_scale)
             return dq, dk, dv
-        fallback.note("flash_attn_bwd", reason)
+        plan = reason
+    if plan != "cpu":
+        fallback.note("flash_attn_bwd", plan)
     return reference.flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal)
 
 

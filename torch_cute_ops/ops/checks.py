@@ -4,7 +4,7 @@ Two kinds of checks:
 
 * ``require_*``: the inputs are invalid for the op itself (wrong dtype, rank, shape, mixed
   devices). They raise before anything launches, on every device and under fake tensors.
-* ``kernels.common.tma.tma_reason`` (used by the kernels' ``unsupported_reason``): the inputs
+* ``runtime.tma.tma_reason`` (used by the launch plans of ``torch_cute_ops.runtime``): the inputs
   are valid but a TMA-based kernel cannot address them (a leading stride that is not 16-byte
   aligned, a misaligned base pointer). The op then falls back to the reference
   (``fallback.note``), which strict mode turns into an error with that text.

@@ -1,20 +1,23 @@
-"""Which kernel family serves a device: sm_90 -> Hopper, sm_100 -> Blackwell, else reference."""
+"""Which kernels serve a device: sm_90 -> Hopper, sm_100 -> Blackwell, else the reference.
+
+The hosts named here are the DSL-free launchers of ``torch_cute_ops.runtime``; importing them
+never imports the CuTe DSL (a variant that is neither prebuilt nor cached compiles on first use).
+"""
 
 from __future__ import annotations
 
 import functools
 import importlib
 import os
-from types import ModuleType
 
 import torch
 
-# (op, arch generation) -> module with launch() and unsupported_reason()
-_KERNEL_MODULES = {
-    ("gemm", "sm90"): "torch_cute_ops.kernels.sm90.gemm",
-    ("gemm", "sm100"): "torch_cute_ops.kernels.sm100.gemm",
-    ("flash_attn_fwd", "sm90"): "torch_cute_ops.kernels.sm90.flash_fwd",
-    ("flash_attn_bwd", "sm90"): "torch_cute_ops.kernels.sm90.flash_bwd",
+# (op, arch generation) -> (runtime module, attribute or None for the module itself)
+_HOSTS = {
+    ("gemm", "sm90"): ("torch_cute_ops.runtime.gemm", "SM90"),
+    ("gemm", "sm100"): ("torch_cute_ops.runtime.gemm", "SM100"),
+    ("flash_attn_fwd", "sm90"): ("torch_cute_ops.runtime.attention", None),
+    ("flash_attn_bwd", "sm90"): ("torch_cute_ops.runtime.attention", None),
 }
 
 
@@ -35,28 +38,30 @@ def _device_arch(index: int) -> str | None:
 
 
 @functools.cache
-def _kernel_module(op: str, arch: str) -> ModuleType | str:
-    """The kernel module, or the reason there is none."""
-    name = _KERNEL_MODULES.get((op, arch))
-    if name is None:
+def _host(op: str, arch: str):
+    """The host launcher, or the reason there is none."""
+    entry = _HOSTS.get((op, arch))
+    if entry is None:
         return f"no {op} kernel for {arch}"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as err:  # the DSL is missing, or this kernel has not landed yet
-        return f"{op} kernel for {arch} unavailable ({err})"
+    module = importlib.import_module(entry[0])
+    return module if entry[1] is None else getattr(module, entry[1])
 
 
-def kernel_for(op: str, device: torch.device) -> ModuleType | str:
-    """The kernel module that serves ``op`` on ``device``, or the reason none does."""
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def kernel_for(op: str, device: torch.device):
+    """The host launcher that serves ``op`` on ``device``, or the reason none does (a str)."""
     if device.type != "cuda":
         return f"{device.type} tensors take the reference path"
-    arch = _device_arch(device.index if device.index is not None else torch.cuda.current_device())
+    arch = _device_arch(device_index(device))
     if arch is None:
         cap = torch.cuda.get_device_capability(device)
         return f"no kernels for compute capability {cap[0]}.{cap[1]}"
-    return _kernel_module(op, arch)
+    return _host(op, arch)
 
 
 def reset_cache() -> None:
     _device_arch.cache_clear()
-    _kernel_module.cache_clear()
+    _host.cache_clear()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections import Counter
 
 import torch
@@ -46,7 +47,17 @@ def _record(op: str, reason: str) -> None:
     _counts[key] += 1
 
 
-@torch.compiler.assume_constant_result
+def constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` (seconds)
+    at import time: that decorator only marks the function, which is what this does until
+    dynamo is loaded (a test pins the two to the same effect)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@constant_result
 def _note_traced(op: str, reason: str) -> bool:
     """Under torch.compile the choice is made once, while tracing: record it then (one count
     per compiled graph, not per call), as plain Python that the graph does not capture."""

@@ -6,9 +6,12 @@ transposed view reaches the kernel as it is and selects the kernel's majorness.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..reference import gemm as reference
+from ..runtime.gemm import pointer_reason
 from . import checks, dispatch, fallback
 from .schemas import lib, qualname, register_impl
 
@@ -40,29 +43,58 @@ def _validate(a, b, bias, activation, out_dtype) -> tuple[tuple[int, ...], torch
     return (*a.shape[:-1], n), out_dtype
 
 
-def _launch_kernel(a, b, bias, activation, out_dtype, alpha, shape) -> torch.Tensor | None:
-    kernel = dispatch.kernel_for("gemm", a.device)
-    a3, b3 = (a, b) if a.dim() == 3 else (a.unsqueeze(0), b.unsqueeze(0))
-    # the kernel module knows its own limits (dtypes, the TMA's strides and alignment)
-    reason = kernel if isinstance(kernel, str) else kernel.unsupported_reason(a3, b3, bias, activation, out_dtype)
-    if reason:
-        fallback.note("gemm", reason)
-        return None
-    out = torch.empty(shape, dtype=out_dtype, device=a.device)
-    kernel.launch(a3, b3, bias, activation, out if out.dim() == 3 else out.unsqueeze(0), alpha)
-    return out
+class _Plan:
+    """What one operand layout needs per call: the output, and the kernel launch or the
+    reason no kernel covers it (None on CPU)."""
+
+    __slots__ = ("shape", "out_dtype", "launch", "reason")
+
+    def __init__(self, shape, out_dtype, launch, reason):
+        self.shape, self.out_dtype, self.launch, self.reason = shape, out_dtype, launch, reason
 
 
-def _gemm(a, b, bias=None, activation=None, out_dtype=None, alpha=1.0):
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096
+
+
+def _make_plan(key, a, b, bias, activation, out_dtype) -> _Plan:
+    """Validate (raises on invalid input) and decide the kernel for one layout, once."""
     shape, out_dtype = _validate(a, b, bias, activation, out_dtype)
+    launch = reason = None
     if a.is_cuda:
-        out = _launch_kernel(a, b, bias, activation, out_dtype, alpha, shape)
-        if out is not None:
+        host = dispatch.kernel_for("gemm", a.device)
+        if isinstance(host, str):
+            reason = host
+        elif math.prod(shape) > 0:
+            bias_layout = None if bias is None else (tuple(bias.shape), bias.stride())
+            launch = host.plan(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype, bias_layout,
+                               activation, out_dtype, dispatch.device_index(a.device))
+            if isinstance(launch, str):
+                launch, reason = None, launch
+    plan = _Plan(shape, out_dtype, launch, reason)
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
+
+
+def gemm_impl(a, b, bias=None, activation=None, out_dtype=None, alpha=1.0):
+    key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device), activation, out_dtype)
+    plan = _plans.get(key) or _make_plan(key, a, b, bias, activation, out_dtype)
+    reason = plan.reason
+    if plan.launch is not None:
+        reason = pointer_reason(a, b, bias)
+        if reason is None:
+            out = torch.empty(plan.shape, dtype=plan.out_dtype, device=a.device)
+            plan.launch(a, b, bias, out, alpha)
             return out
-    return reference.gemm(a, b, bias, activation, out_dtype, alpha)
+    if reason is not None:
+        fallback.note("gemm", reason)
+    return reference.gemm(a, b, bias, activation, plan.out_dtype, alpha)
 
 
-register_impl("gemm", _gemm)
+register_impl("gemm", gemm_impl)
 
 
 @torch.library.register_fake(qualname("gemm"), lib=lib)

@@ -30,7 +30,6 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .tma import tma_reason
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -473,27 +472,3 @@ class TileSource(DslState):
         else:
             next_tile = self.scheduler.next_tile(tile)
         return next_tile, state
-
-
-# ---------------------------------------------------------------------- host side
-
-
-def qkv_coverage_reason(kernel: str, q, k, v, dtypes, head_dims) -> str | None:
-    """Why a TMA attention kernel named ``kernel`` cannot take q, k, v (B, S, H, D), or None.
-
-    Shared by the forward and the backward: one dtype among ``dtypes``, equal head dims among
-    ``head_dims``, whole GQA groups, and TMA-addressable tensors.
-    """
-    if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"{kernel} supports bf16/fp16 q, k, v of one dtype, got {q.dtype}/{k.dtype}/{v.dtype}"
-    head_dim = q.shape[-1]
-    if head_dim not in head_dims or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
-        return (f"{kernel} supports equal q/k/v head dims in {tuple(head_dims)}, got "
-                f"{q.shape[-1]}/{k.shape[-1]}/{v.shape[-1]}")
-    if q.shape[2] % k.shape[2] != 0:
-        return f"{kernel} needs num_heads_q to be a multiple of num_heads_kv"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        reason = tma_reason(name, t, (3,))
-        if reason:
-            return reason
-    return None

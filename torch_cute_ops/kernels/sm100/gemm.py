@@ -18,8 +18,6 @@ multicast the shared operand tile to every CTA that needs it.
 
 from __future__ import annotations
 
-import functools
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -28,18 +26,14 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from .. import KernelFamily
-from ..common import gemm_host
+from ...runtime.gemm_config import GemmConfig
+from ...runtime.spec import KernelSpec
+from ...runtime.tma import TMA_ALIGN_BYTES
 from ..common.activation import apply_activation
-from ..common.compile_cache import KernelSpec, get_compiled
-from ..common.gemm_config import GemmConfig, choose_config
 from ..common.tile_scheduler import PersistentTileScheduler
 
-FAMILY_NAME = "gemm_sm100"
-ARCH = "sm_100a"
 
 _DSL_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
-TMA_ALIGN_BYTES = gemm_host.TMA_ALIGN_BYTES
 
 # Warp roles; the epilogue warps must be warps 0-3 so that warp i reads TMEM lanes 32i..32i+31.
 EPILOGUE_WARPS = (0, 1, 2, 3)
@@ -558,16 +552,7 @@ class GemmSm100:
                 sBias[col] = mBias[cutlass.min(n_tile * tile_n + col, n_last)]
 
 
-# ---------------------------------------------------------------------- variants
-def make_spec(ab: str, out: str, has_bias: bool, activation: str | None, a_major: str,
-              b_major: str, config: GemmConfig) -> KernelSpec:
-    """``a_major`` is "k" or "m" (A is (L, M, K)); ``b_major`` is "n" or "k" (B is (L, K, N))."""
-    return KernelSpec.make(
-        FAMILY_NAME, ARCH, ab=ab, out=out, bias=has_bias, act=activation or "none",
-        a_major=a_major, b_major=b_major, **config.spec_params(),
-    )
-
-
+# ---------------------------------------------------------------------- compile
 def _fake_operand(dtype, unit_stride_mode: int):
     """A fake torch-order (L, R, C) tensor whose mode ``unit_stride_mode`` (1 or 2) is contiguous.
 
@@ -593,48 +578,3 @@ def build(spec: KernelSpec):
         mBias = cute.runtime.make_fake_compact_tensor(ab, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES)
         return gemm.run_with_bias, (mA, mB, mBias, mOut, Float32(1.0), Int32(1), stream)
     return gemm.run, (mA, mB, mOut, Float32(1.0), Int32(1), stream)
-
-
-# A handful of variants: 1-CTA and 2-CTA (+ 4x1 multicast) tiles, plain and fused epilogues,
-# row-major B (x @ W) and K-major B (x @ W.T, an nn.Linear weight), one fp16 -> fp32.
-def shipped(arch: str):
-    if arch != ARCH:
-        return []
-    one_cta, two_cta, two_cta_mcast = GemmConfig(128, 256), GemmConfig(256, 256, 2, 1), GemmConfig(256, 256, 4, 1)
-    return [
-        make_spec("bf16", "bf16", False, None, "k", "n", one_cta),
-        make_spec("bf16", "bf16", True, "gelu_tanh", "k", "k", one_cta),
-        make_spec("bf16", "bf16", False, None, "k", "n", two_cta),
-        make_spec("bf16", "bf16", True, "relu", "k", "k", two_cta),
-        make_spec("fp16", "fp32", True, "silu", "m", "n", two_cta_mcast),
-    ]
-
-
-FAMILY = KernelFamily(FAMILY_NAME, ARCH, shipped, build)
-
-
-# ---------------------------------------------------------------------- host API (op layer)
-def unsupported_reason(a, b, bias, activation, out_dtype) -> str | None:
-    """Why this kernel does not cover the case, or None. Launches nothing (same TMA rules as sm90)."""
-    return gemm_host.unsupported_reason("sm100 gemm kernel", a, b, bias, activation, out_dtype)
-
-
-_sm_count = gemm_host.sm_count
-
-
-@functools.lru_cache(maxsize=4096)
-def _plan(ab, out, a_k_major, b_k_major, has_bias, activation, m, n, k, batch, device_index, config=None):
-    """(compiled fn, max clusters) for one problem; cached so repeated calls skip the heuristic."""
-    sm_count = _sm_count(device_index)
-    config = config or choose_config(ARCH, m, n, k, batch, sm_count)
-    spec = make_spec(ab, out, has_bias, activation, "k" if a_k_major else "m", "k" if b_k_major else "n", config)
-    return get_compiled(spec), sm_count // (config.cluster_m * config.cluster_n)
-
-
-def launch(a, b, bias, activation, out, alpha: float = 1.0, config: GemmConfig | None = None) -> None:
-    """out[l] = act(alpha * a[l] @ b[l] + bias) on the current stream. ``config`` overrides the
-    heuristic.
-
-    a (L, M, K), b (L, K, N), bias (N,) or None, out (L, M, N) row-major, all on one device.
-    """
-    gemm_host.launch(_plan, a, b, bias, activation, out, alpha, config)

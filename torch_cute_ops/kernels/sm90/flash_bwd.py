@@ -37,40 +37,24 @@ from __future__ import annotations
 import math
 from functools import partial
 
-import torch
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from .. import KernelFamily
-from ..common.compile_cache import KernelSpec, get_compiled
+from ...runtime.attention import STAT_PAD as _STAT_PAD
+from ...runtime.spec import KernelSpec
 from ..common.flash_common import (
-    LOG2_E, acc_as_rows_cols, convert_to_16bit, mask_scores, qkv_coverage_reason, tiled_wgmma,
+    LOG2_E, acc_as_rows_cols, convert_to_16bit, mask_scores, tiled_wgmma,
     transposed_view,
 )
 
-FAMILY_NAME = "flash_bwd_sm90"
-HEAD_DIMS = (64, 96, 128, 192, 256)
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
-# head_dim -> (tile_m, tile_n, num_stages). The two MMA warpgroups keep dK and dV for
-# the whole key block in registers (tile_n * head_dim * 2 / 256 fp32 per thread), and smem
-# holds K, V, num_stages x (Q, dO, dS, and P when it is not kept in registers) and the
-# fp32 dQ tile (<= 227 KB). At head dim 64, 128-row query tiles spill (measured slower).
-TILE_CONFIGS = {
-    64: (64, 128, 2),
-    96: (64, 128, 2),
-    128: (64, 128, 2),
-    192: (64, 64, 2),
-    256: (64, 64, 1),
-}
 
 _NUM_MMA_THREADS = 256  # two consumer warpgroups
 # per-query statistics are padded to a multiple of every tile_m (and of 16 bytes for TMA)
-_STAT_PAD = 128
 _PRODUCER_REGS = 24
 _MMA_REGS = 240
 # named barriers (0 is __syncthreads)
@@ -670,12 +654,6 @@ class FlashBwdSm90:
 
 
 # -------------------------------------------------------------------- family / host API
-def _spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a") -> KernelSpec:
-    tile_m, tile_n, num_stages = TILE_CONFIGS[head_dim]
-    return KernelSpec.make(FAMILY_NAME, arch, dtype=dtype, head_dim=head_dim, causal=causal,
-                           tile=(tile_m, tile_n), stages=num_stages)
-
-
 def _bshd(dtype, head_dim):
     """A (B, S, H, D) tensor with any 16-byte aligned strides but a unit last one."""
     sym = lambda: cute.sym_int64(divisibility=8)
@@ -707,38 +685,3 @@ def build(spec: KernelSpec):
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return kernel, fake_args
-
-
-def shipped(arch: str):
-    if arch != "sm_90a":
-        return []
-    return [_spec(dtype, head_dim, causal)
-            for dtype in ("bf16", "fp16") for head_dim in (64, 128) for causal in (False, True)]
-
-
-FAMILY = KernelFamily(FAMILY_NAME, "sm_90a", shipped, build)
-
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-_compiled: dict[tuple, object] = {}
-
-
-def unsupported_reason(q, k, v, causal: bool) -> str | None:
-    """Why this kernel does not cover the case, or None. The op layer has chosen it for an sm_90
-    device, validated the shapes and checks dout and out (loaded like q) itself."""
-    if min(q.shape[0], q.shape[1], k.shape[1]) == 0:
-        return "flash_bwd_sm90 needs non-empty batch and sequences"
-    return qkv_coverage_reason("flash_bwd_sm90", q, k, v, _DTYPE_NAMES, HEAD_DIMS)
-
-
-def launch(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool) -> None:
-    """Write dq, dk, dv (preallocated) for the attention that produced out and lse."""
-    key = (q.dtype, q.shape[-1], bool(causal))
-    fn = _compiled.get(key)
-    if fn is None:
-        fn = _compiled[key] = get_compiled(_spec(_DTYPE_NAMES[q.dtype], q.shape[-1], causal))
-    batch, seqlen_q, heads, head_dim = q.shape
-    padded = -(-seqlen_q // _STAT_PAD) * _STAT_PAD
-    delta = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
-    lse_log2 = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
-    dq_accum = torch.empty((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
-    fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, float(softmax_scale))

@@ -25,12 +25,9 @@ warpgroup owns 64 query rows of a ``tile_m = 64 * num_wg`` query block.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
 
 import cuda.bindings.driver as cuda
-import torch
 
 import cutlass
 import cutlass.cute as cute
@@ -40,8 +37,8 @@ from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .. import KernelFamily
-from ..common.compile_cache import KernelSpec, get_compiled
+from ...runtime.attention import FwdConfig
+from ...runtime.spec import KernelSpec
 from ..common.flash_common import (
     LOG2_E,
     AttentionTileScheduler,
@@ -52,59 +49,16 @@ from ..common.flash_common import (
     acc_as_rows_cols,
     convert_to_16bit,
     mask_scores,
-    qkv_coverage_reason,
     scale_rows,
     tiled_wgmma,
     transposed_view,
 )
 
-FAMILY_NAME = "flash_fwd_sm90"
-HEAD_DIMS = (64, 96, 128, 192, 256)
 _CUTE_DTYPE = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
 # named barrier ids (0 is __syncthreads)
 _BAR_EPILOGUE = 1  # + consumer WG index
 _BAR_SCHED = 4  # + consumer WG index
-
-
-@dataclass(frozen=True)
-class FwdConfig:
-    tile_n: int
-    num_wg: int  # consumer warpgroups; tile_m = 64 * num_wg
-    num_stages: int
-    pingpong: bool  # round-robin the tensor cores between consumer WGs
-    separate_o: bool  # O has its own smem; else it reuses Q's (no room at D >= 192)
-    # tiles handed out by an atomic counter (see AttentionTileScheduler), else static
-    dynamic_schedule: bool = False
-    l2_kv_mib: int = 16  # the K/V of the heads worked on together is kept under this
-
-    @property
-    def tile_m(self) -> int:
-        return 64 * self.num_wg
-
-
-# Causal D64 attention over at most this many keys runs 128-row query tiles (H100, one run:
-# +7% at 512 keys, +8% at 1024, -5% at 2048 against 192-row tiles).
-SHORT_CAUSAL_KEYS = 1024
-
-
-@lru_cache(maxsize=None)
-def config_for(head_dim: int, causal: bool, short: bool = False) -> FwdConfig:
-    """Tile shapes that fit 227 KB of smem and the register budget (FA3's choices), for
-    ``short`` (at most SHORT_CAUSAL_KEYS keys) or longer sequences."""
-    if head_dim <= 64 and not (causal and short):
-        tiles = FwdConfig(tile_n=128, num_wg=3, num_stages=2, pingpong=True, separate_o=True)
-    elif head_dim <= 128:
-        tiles = FwdConfig(tile_n=128, num_wg=2, num_stages=2, pingpong=True, separate_o=True)
-    elif head_dim <= 192:
-        tiles = FwdConfig(tile_n=112, num_wg=2, num_stages=2, pingpong=False, separate_o=False)
-    else:
-        tiles = FwdConfig(tile_n=80, num_wg=2, num_stages=2, pingpong=False, separate_o=False)
-    # Causal tiles differ in length: whichever CTA frees up takes the next longest, and
-    # since that order spreads one head's tiles over time, more heads' K/V stay in L2.
-    # Equal tiles run head after head: the CTAs in flight stream the same K/V blocks
-    # (H100, D128 S >= 4k, two runs: 4 MiB +2-5% over 16 MiB non-causal, -2-4% causal).
-    return dataclasses.replace(tiles, dynamic_schedule=causal, l2_kv_mib=16 if causal else 4)
 
 
 def _smem_layout(dtype, rows: int, cols: int, stages: int):
@@ -581,14 +535,6 @@ class FlashFwdSm90:
 # ---------------------------------------------------------------------- family
 
 
-def _spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
-          arch: str = "sm_90a") -> KernelSpec:
-    config = config or config_for(head_dim, causal)
-    # the config is in the key: a new config recompiles
-    return KernelSpec.make(FAMILY_NAME, arch, dtype=dtype, head_dim=head_dim, causal=causal,
-                           config=dataclasses.astuple(config))
-
-
 def build(spec: KernelSpec):
     dtype = _CUTE_DTYPE[spec["dtype"]]
     head_dim, causal = spec["head_dim"], spec["causal"]
@@ -611,72 +557,3 @@ def build(spec: KernelSpec):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, 1.0, 132, stream)
     return kernel, fake_args
-
-
-def shipped(arch: str):
-    """bf16 at the common head dims; other dtypes / head dims compile on first use."""
-    if arch != "sm_90a":
-        return []
-    causal_short_d64 = _spec("bf16", 64, True, config_for(64, True, short=True))
-    return [_spec("bf16", h, c) for h in (64, 128, 256) for c in (False, True)] + [causal_short_d64]
-
-
-FAMILY = KernelFamily(name=FAMILY_NAME, arch="sm_90a", shipped=shipped, build=build)
-
-
-# ------------------------------------------------------------------ host API
-
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-@lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@lru_cache(maxsize=None)
-def _plan(dtype: str, head_dim: int, causal: bool, short: bool):
-    """(compiled fn, whether it claims tiles dynamically); cached, so a call does one lookup."""
-    config = config_for(head_dim, causal, short)
-    return get_compiled(_spec(dtype, head_dim, causal, config)), config.dynamic_schedule
-
-
-@lru_cache(maxsize=None)
-def _unused_counter(device_index: int) -> torch.Tensor:
-    """What a static schedule gets for the tile counter it never reads."""
-    return torch.empty(1, dtype=torch.int32, device=torch.device("cuda", device_index))
-
-
-def unsupported_reason(q, k, v, causal: bool) -> str | None:
-    """Why this kernel does not cover the case, or None when it does. The op layer has chosen
-    it for an sm_90 device and validated the shapes."""
-    reason = qkv_coverage_reason("flash_fwd_sm90", q, k, v, _DTYPE_NAMES, HEAD_DIMS)
-    if reason:
-        return reason
-    if max(q.shape[1], k.shape[1]) >= 2**31 or q.shape[0] * q.shape[2] >= 2**31:
-        return "flash_fwd_sm90 indexes sizes with 32-bit integers"
-    return None
-
-
-def launch(q, k, v, out, lse, softmax_scale: float, causal: bool, config: FwdConfig | None = None,
-           max_ctas: int | None = None) -> None:
-    """out (B, S_q, H_q, D) and lse (B, H_q, S_q) fp32 are written; a dynamic schedule also
-    allocates its 4-byte tile counter. For experiments, ``config`` overrides
-    :func:`config_for` and ``max_ctas`` the persistent grid (one CTA per SM)."""
-    if q.numel() == 0:
-        return
-    if k.shape[1] == 0:  # no keys: every row attends to nothing
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return
-    dtype, head_dim, causal = _DTYPE_NAMES[q.dtype], q.shape[-1], bool(causal)
-    device_index = q.device.index or 0
-    if config is None:
-        fn, dynamic = _plan(dtype, head_dim, causal, k.shape[1] <= SHORT_CAUSAL_KEYS)
-    else:
-        fn, dynamic = get_compiled(_spec(dtype, head_dim, causal, config)), config.dynamic_schedule
-    if dynamic:
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    else:
-        counter = _unused_counter(device_index)
-    fn(q, k, v, out, lse, counter, float(softmax_scale), max_ctas or _num_sms(device_index))

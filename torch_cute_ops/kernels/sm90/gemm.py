@@ -26,11 +26,9 @@ One CTA = one producer warpgroup + two consumer warpgroups (one for 64-row tiles
 
 The tile schedule is :class:`~..common.tile_scheduler.PersistentTileScheduler`
 (banded rasterization for L2 reuse); the tile/cluster come from
-:func:`~..common.gemm_config.choose_config`.
+:func:`torch_cute_ops.runtime.gemm_config.choose_config`.
 """
 
-
-import functools
 
 import cutlass
 import cutlass.cute as cute
@@ -40,20 +38,17 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from ..common import gemm_host
+from ...runtime.gemm_config import GemmConfig
+from ...runtime.spec import KernelSpec
+from ...runtime.tma import TMA_ALIGN_BYTES
 from ..common.activation import apply_activation
-from ..common.compile_cache import KernelSpec, get_compiled
-from ..common.gemm_config import GemmConfig, choose_config
 from ..common.tile_scheduler import PersistentTileScheduler
 
-ARCH = "sm_90a"
-FAMILY_NAME = "gemm_sm90"
 
 # spec dtype string -> DSL type
 _DSL_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32}
 
 TILE_K = 64  # 128 bytes of 16-bit K per smem row: the 128B swizzle atom
-TMA_ALIGN_BYTES = gemm_host.TMA_ALIGN_BYTES
 _SMEM_RESERVED_BYTES = 1024  # mbarriers and alignment slack
 _MAX_AB_STAGES = 8
 
@@ -444,14 +439,6 @@ def _advance_state(state, steps):
 
 # ---- compile-time variants ---------------------------------------------------------------
 
-def _spec(ab: str, out: str, a_k_major: bool, b_k_major: bool, bias: bool, activation,
-          config: GemmConfig) -> KernelSpec:
-    return KernelSpec.make(
-        FAMILY_NAME, ARCH, ab=ab, out=out, a_major="k" if a_k_major else "m",
-        b_major="k" if b_k_major else "n", bias=bias, act=activation or "none", **config.spec_params(),
-    )
-
-
 def _fake_operand(dtype, cols_major: bool):
     """A torch-order (L, R, C) operand: strides (batch, ld, 1) if C is contiguous, else (batch, 1, ld)."""
     shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
@@ -476,48 +463,3 @@ def build(spec: KernelSpec):
         mBias = cute.runtime.make_fake_compact_tensor(ab_dtype, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES)
         return gemm.run_with_bias, (mA, mB, mBias, mC, Float32(1.0), Int32(1), stream)
     return gemm.run, (mA, mB, mC, Float32(1.0), Int32(1), stream)
-
-
-def shipped(arch: str):
-    """The variants worth compiling ahead: bf16 row-major A and B at the two big tiles,
-    plus the fused bias + gelu_tanh MLP epilogue and the fp16 twin."""
-    if arch != ARCH:
-        return []
-    big, medium = GemmConfig(128, 256, 2, 1), GemmConfig(128, 128, 2, 1)
-    return [
-        _spec("bf16", "bf16", True, False, False, None, big),
-        _spec("bf16", "bf16", True, False, False, None, medium),
-        _spec("bf16", "bf16", True, False, True, "gelu_tanh", big),
-        _spec("fp16", "fp16", True, False, False, None, big),
-    ]
-
-
-def _family():
-    from .. import KernelFamily
-
-    return KernelFamily(FAMILY_NAME, ARCH, shipped, build)
-
-
-FAMILY = _family()
-
-
-# ---- host API (called by the op layer) ---------------------------------------------------
-
-def unsupported_reason(a, b, bias, activation, out_dtype) -> str | None:
-    """Why this kernel does not cover the case, or None. Launches nothing."""
-    return gemm_host.unsupported_reason("sm90 gemm kernel", a, b, bias, activation, out_dtype)
-
-
-@functools.lru_cache(maxsize=4096)
-def _plan(ab, out, a_k_major, b_k_major, has_bias, activation, m, n, k, batch, device_index, config=None):
-    """(compiled fn, max clusters) for one problem; cached so repeated calls skip the heuristic."""
-    sm_count = gemm_host.sm_count(device_index)
-    config = config or choose_config(ARCH, m, n, k, batch, sm_count)
-    spec = _spec(ab, out, a_k_major, b_k_major, has_bias, activation, config)
-    return get_compiled(spec), sm_count // (config.cluster_m * config.cluster_n)
-
-
-def launch(a, b, bias, activation, out, alpha: float = 1.0, config: GemmConfig | None = None) -> None:
-    """out[l] = act(alpha * a[l] @ b[l] + bias) on the current stream. ``config`` overrides the
-    heuristic."""
-    gemm_host.launch(_plan, a, b, bias, activation, out, alpha, config)

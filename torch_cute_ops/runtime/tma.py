@@ -9,12 +9,13 @@ import torch
 TMA_ALIGN_BYTES = 16
 
 
-def tma_reason(name: str, t: torch.Tensor, contiguous_dims: Sequence[int]) -> str | None:
+def tma_reason(name: str, t: torch.Tensor, contiguous_dims: Sequence[int], check_pointer: bool = True) -> str | None:
     """Why a TMA cannot address ``t`` whose unit-stride dim is one of ``contiguous_dims``, or None.
 
     The TMA needs one dim of stride 1, every other stride a multiple of 16 bytes (size-1 dims
     too: the tensor map encodes every stride), and a 16-byte-aligned base address. Kernels that
-    take views with odd strides on size-1 dims normalise them first (``gemm_host.operand_view``).
+    take views with odd strides on size-1 dims normalise them first (``runtime.gemm.operand_strides``).
+    ``check_pointer=False`` leaves the base address to a per-call check (layout plans).
     """
     size = t.element_size()
     unit = [d for d in contiguous_dims if t.stride(d) == 1 or t.shape[d] == 1]
@@ -26,6 +27,6 @@ def tma_reason(name: str, t: torch.Tensor, contiguous_dims: Sequence[int]) -> st
         if d != unit_dim and (stride * size) % TMA_ALIGN_BYTES:
             return (f"{name}: stride {stride} of dim {d} is {stride * size} bytes, the TMA "
                     f"needs a multiple of {TMA_ALIGN_BYTES} bytes (pad the leading dimension)")
-    if t.device.type != "meta" and t.data_ptr() % TMA_ALIGN_BYTES:
+    if check_pointer and t.device.type != "meta" and t.data_ptr() % TMA_ALIGN_BYTES:
         return f"{name}: data pointer is not {TMA_ALIGN_BYTES}-byte aligned (storage offset {t.storage_offset()})"
     return None

@@ -1,0 +1,251 @@
+"""Host side of the Hopper attention kernels: tile configs, variants, coverage, launch plans.
+
+Plain torch (the CuTe DSL is imported only if a variant must be compiled). The op layer asks
+for a plan once per input layout; a call then checks data pointers, allocates the outputs
+and makes one TVM-FFI call.
+
+Compiled functions (torch-order tensors; the stream is the TVM-FFI env stream):
+
+* forward: ``fn(q, k, v, out, lse, tile_counter, softmax_scale, max_ctas)``, q/k/v/out
+  (B, S, H, D), lse (B, H, S_q) fp32, a 4-byte tile counter for the dynamic schedule;
+* backward: ``fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum,
+  softmax_scale)`` with fp32 workspaces padded to whole query blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .cache import get_compiled
+from .spec import KernelSpec
+from .tma import TMA_ALIGN_BYTES, tma_reason
+
+HEAD_DIMS = (64, 96, 128, 192, 256)
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+FWD_FAMILY, BWD_FAMILY = "flash_fwd_sm90", "flash_bwd_sm90"
+
+
+# ---------------------------------------------------------------------------- forward tiles
+
+@dataclass(frozen=True)
+class FwdConfig:
+    tile_n: int
+    num_wg: int  # consumer warpgroups; tile_m = 64 * num_wg
+    num_stages: int
+    pingpong: bool  # round-robin the tensor cores between consumer WGs
+    separate_o: bool  # O has its own smem; else it reuses Q's (no room at D >= 192)
+    # tiles handed out by an atomic counter (see AttentionTileScheduler), else static
+    dynamic_schedule: bool = False
+    l2_kv_mib: int = 16  # the K/V of the heads worked on together is kept under this
+
+    @property
+    def tile_m(self) -> int:
+        return 64 * self.num_wg
+
+
+# Causal D64 attention over at most this many keys runs 128-row query tiles (H100, one run:
+# +7% at 512 keys, +8% at 1024, -5% at 2048 against 192-row tiles).
+SHORT_CAUSAL_KEYS = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def config_for(head_dim: int, causal: bool, short: bool = False) -> FwdConfig:
+    """Tile shapes that fit 227 KB of smem and the register budget (FA3's choices), for
+    ``short`` (at most SHORT_CAUSAL_KEYS keys) or longer sequences."""
+    if head_dim <= 64 and not (causal and short):
+        tiles = FwdConfig(tile_n=128, num_wg=3, num_stages=2, pingpong=True, separate_o=True)
+    elif head_dim <= 128:
+        tiles = FwdConfig(tile_n=128, num_wg=2, num_stages=2, pingpong=True, separate_o=True)
+    elif head_dim <= 192:
+        tiles = FwdConfig(tile_n=112, num_wg=2, num_stages=2, pingpong=False, separate_o=False)
+    else:
+        tiles = FwdConfig(tile_n=80, num_wg=2, num_stages=2, pingpong=False, separate_o=False)
+    # Causal tiles differ in length: whichever CTA frees up takes the next longest, and
+    # since that order spreads one head's tiles over time, more heads' K/V stay in L2.
+    # Equal tiles run head after head: the CTAs in flight stream the same K/V blocks
+    # (H100, D128 S >= 4k, two runs: 4 MiB +2-5% over 16 MiB non-causal, -2-4% causal).
+    return dataclasses.replace(tiles, dynamic_schedule=causal, l2_kv_mib=16 if causal else 4)
+
+
+def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
+             arch: str = "sm_90a") -> KernelSpec:
+    config = config or config_for(head_dim, causal)
+    # the config is in the key: a new config recompiles
+    return KernelSpec.make(FWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal,
+                           config=dataclasses.astuple(config))
+
+
+# --------------------------------------------------------------------------- backward tiles
+
+# head_dim -> (tile_m, tile_n, num_stages). The two MMA warpgroups keep dK and dV for
+# the whole key block in registers (tile_n * head_dim * 2 / 256 fp32 per thread), and smem
+# holds K, V, num_stages x (Q, dO, dS, and P when it is not kept in registers) and the
+# fp32 dQ tile (<= 227 KB). At head dim 64, 128-row query tiles spill (measured slower).
+BWD_TILES = {
+    64: (64, 128, 2),
+    96: (64, 128, 2),
+    128: (64, 128, 2),
+    192: (64, 64, 2),
+    256: (64, 64, 1),
+}
+STAT_PAD = 128  # lse and delta rows are padded to whole query blocks for their TMA loads
+
+
+def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a") -> KernelSpec:
+    tile_m, tile_n, num_stages = BWD_TILES[head_dim]
+    return KernelSpec.make(BWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal,
+                           tile=(tile_m, tile_n), stages=num_stages)
+
+
+def shipped(arch: str) -> list[KernelSpec]:
+    """Forward: bf16 at the common head dims; backward: bf16 and fp16 at D64/D128. Other
+    dtypes and head dims compile on first use."""
+    if arch != "sm_90a":
+        return []
+    fwd = [fwd_spec("bf16", h, c) for h in (64, 128, 256) for c in (False, True)]
+    fwd.append(fwd_spec("bf16", 64, True, config_for(64, True, short=True)))
+    bwd = [bwd_spec(d, h, c) for d in ("bf16", "fp16") for h in (64, 128) for c in (False, True)]
+    return fwd + bwd
+
+
+# -------------------------------------------------------------------------------- coverage
+
+def qkv_coverage_reason(kernel: str, q, k, v) -> str | None:
+    """Why a TMA attention kernel cannot take q, k, v (B, S, H, D), or None (the op layer has
+    validated shapes: one dtype, equal head dims, whole GQA groups)."""
+    if q.dtype not in DTYPE_NAMES:
+        return f"{kernel} supports bf16/fp16 q, k, v, got {q.dtype}"
+    if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return f"{kernel} supports equal q/k/v head dims in {HEAD_DIMS}, got {q.shape[-1]}/{k.shape[-1]}/{v.shape[-1]}"
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"{kernel} needs one dtype and num_heads_q a multiple of num_heads_kv"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        reason = tma_reason(name, t, (3,), check_pointer=False)
+        if reason:
+            return reason
+    if max(q.shape[1], k.shape[1]) >= 2**31 or q.shape[0] * q.shape[2] >= 2**31:
+        return f"{kernel} indexes sizes with 32-bit integers"
+    return None
+
+
+def pointer_reason(*named) -> str | None:
+    """The one per-call check: the TMA needs 16-byte aligned base addresses."""
+    for name, t in named:
+        if t.data_ptr() % TMA_ALIGN_BYTES:
+            return f"{name}: data pointer is not {TMA_ALIGN_BYTES}-byte aligned (storage offset {t.storage_offset()})"
+    return None
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _unused_counter(device_index: int) -> torch.Tensor:
+    """What a static schedule gets for the tile counter it never reads."""
+    return torch.empty(1, dtype=torch.int32, device=torch.device("cuda", device_index))
+
+
+# ---------------------------------------------------------------------------------- launch
+
+class FlashFwdLaunch:
+    """The forward of one input layout: writes out (B, S_q, H_q, D) and lse (B, H_q, S_q)."""
+
+    __slots__ = ("fn", "dynamic", "device_index", "grid", "no_keys")
+
+    def __init__(self, spec: KernelSpec | None, dynamic: bool, device_index: int, grid: int):
+        self.fn = None if spec is None else get_compiled(spec)
+        self.no_keys = spec is None
+        self.dynamic, self.device_index, self.grid = dynamic, device_index, grid
+
+    def __call__(self, q, k, v, out, lse, softmax_scale: float) -> None:
+        if self.no_keys:  # every row attends to nothing
+            out.zero_()
+            lse.fill_(float("-inf"))
+            return
+        if self.dynamic:
+            counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        else:
+            counter = _unused_counter(self.device_index)
+        self.fn(q, k, v, out, lse, counter, softmax_scale, self.grid)
+
+
+def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
+             max_ctas: int | None = None) -> FlashFwdLaunch | str | None:
+    """The forward launch for this layout, the reason no kernel covers it, or None when there
+    is nothing to compute. ``config`` and ``max_ctas`` override the tiles and the persistent
+    grid (experiments)."""
+    reason = qkv_coverage_reason("flash_fwd_sm90", q, k, v)
+    if reason:
+        return reason
+    if q.numel() == 0:
+        return None
+    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    grid = max_ctas or num_sms(device_index)
+    if k.shape[1] == 0:
+        return FlashFwdLaunch(None, False, device_index, grid)
+    head_dim = q.shape[-1]
+    config = config or config_for(head_dim, causal, k.shape[1] <= SHORT_CAUSAL_KEYS)
+    spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config)
+    return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid)
+
+
+class FlashBwdLaunch:
+    """The backward of one input layout: writes dq, dk, dv (preallocated, contiguous)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, spec: KernelSpec):
+        self.fn = get_compiled(spec)
+
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float) -> None:
+        batch, seqlen_q, heads, head_dim = q.shape
+        padded = -(-seqlen_q // STAT_PAD) * STAT_PAD
+        delta = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
+        lse_log2 = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
+        dq_accum = torch.empty((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, softmax_scale)
+
+
+def plan_bwd(q, k, v, causal: bool) -> FlashBwdLaunch | str:
+    """The backward launch for this layout of q, k, v, or the reason no kernel covers it
+    (dout and out, loaded like q, are checked by the op layer)."""
+    if min(q.shape[0], q.shape[1], k.shape[1]) == 0:
+        return "flash_bwd_sm90 needs non-empty batch and sequences"
+    reason = qkv_coverage_reason("flash_bwd_sm90", q, k, v)
+    if reason:
+        return reason
+    return FlashBwdLaunch(bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal))
+
+
+def fwd_unsupported_reason(q, k, v, causal: bool) -> str | None:
+    plan = plan_fwd(q, k, v, causal)
+    return plan if isinstance(plan, str) else pointer_reason(("q", q), ("k", k), ("v", v))
+
+
+def bwd_unsupported_reason(q, k, v, causal: bool) -> str | None:
+    plan = plan_bwd(q, k, v, causal)
+    return plan if isinstance(plan, str) else pointer_reason(("q", q), ("k", k), ("v", v))
+
+
+def launch_fwd(q, k, v, out, lse, softmax_scale: float, causal: bool, config: FwdConfig | None = None,
+               max_ctas: int | None = None) -> None:
+    """Uncached forward launch (tests, benchmarks)."""
+    plan = plan_fwd(q, k, v, causal, config, max_ctas)
+    if isinstance(plan, str):
+        raise ValueError(plan)
+    if plan is not None:
+        plan(q, k, v, out, lse, float(softmax_scale))
+
+
+def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool) -> None:
+    """Uncached backward launch (tests, benchmarks)."""
+    plan = plan_bwd(q, k, v, causal)
+    if isinstance(plan, str):
+        raise ValueError(plan)
+    plan(dout, q, k, v, out, lse, dq, dk, dv, float(softmax_scale))

@@ -1,0 +1,437 @@
+"""Where a compiled kernel variant comes from, fastest first, without the CuTe DSL when it can.
+
+:func:`get_compiled` looks for a :class:`~.spec.KernelSpec` in
+
+1. memory (this process);
+2. a prebuilt library (``python -m torch_cute_ops aot``): ``TORCH_CUTE_OPS_AOT_DIR``, then the
+   package's own ``_aot/`` folder, each holding ``<arch>/manifest.json`` and one shared
+   library per arch;
+3. the on-disk cache (``TORCH_CUTE_OPS_CACHE_DIR``, default ``~/.cache/torch_cute_ops``): one
+   shared library per variant with a JSON sidecar;
+4. and only then compiles it with the CuTe DSL, storing it to the on-disk cache.
+
+Steps 1-3 load shared libraries with TVM-FFI alone: each is the DSL's exported host+device
+object linked against the DSL's runtime library (``libcute_dsl_runtime.so``, found in the
+installed wheel without importing the DSL) and ``libtvm_ffi.so``, so a process that finds
+its kernels there never imports ``cutlass``.
+
+Trust: a library is used only if it was built from these kernel sources (a fingerprint of
+every file under ``kernels/``) with this DSL and TVM-FFI (and, for the on-disk cache, this
+torch); its size and sha256 must match what its builder recorded, else it is removed and
+rebuilt; a cache folder owned by another user or writable by others is refused with a
+warning, since loading a shared object from it would run their code. Processes that compile
+the same variant take turns on a file lock; files appear by atomic rename.
+
+Compiles never run under FakeTensorMode or while torch.compile traces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from .spec import KernelSpec
+
+log = logging.getLogger("torch_cute_ops")
+
+CACHE_FORMAT = 2  # layout of the on-disk cache; bump to orphan every older entry
+MANIFEST_FORMAT = 1
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+KERNEL_SOURCES = PACKAGE_DIR / "kernels"
+PACKAGED_AOT_DIR = PACKAGE_DIR / "_aot"
+
+
+@dataclass
+class CacheStats:
+    memory_hits: int = 0
+    aot_hits: int = 0
+    disk_hits: int = 0
+    compiles: int = 0
+    compile_seconds: float = 0.0
+    load_seconds: float = 0.0
+    rejected: int = 0  # cache entries found truncated, foreign or stale, removed
+
+
+stats = CacheStats()
+_memory: dict[KernelSpec, Callable] = {}
+_lock = threading.RLock()
+_keep_alive: list = []  # loaded modules and runtime libraries live as long as the process
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("torch_cute_ops: %s", message)
+
+
+# ---------------------------------------------------------------------------- fingerprints
+
+@functools.cache
+def source_fingerprint() -> str:
+    """sha256 of every kernel source file: an edited kernel never loads a stale library."""
+    digest = hashlib.sha256()
+    for path in sorted(KERNEL_SOURCES.rglob("*.py")):
+        digest.update(path.relative_to(KERNEL_SOURCES).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "missing"
+
+
+@functools.cache
+def toolchain() -> dict[str, str]:
+    """What a library's code depends on besides its spec (the manifest of a prebuilt one)."""
+    from .. import __version__
+
+    return {"torch_cute_ops": __version__, "sources": source_fingerprint(),
+            "cutlass_dsl": _dist_version("nvidia-cutlass-dsl"), "tvm_ffi": _dist_version("apache-tvm-ffi")}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------- loading without the DSL
+
+def dsl_runtime_library() -> Path | None:
+    """``libcute_dsl_runtime.so`` of the installed DSL wheel, located without importing it."""
+    for entry in os.environ.get("CUTE_DSL_LIBS", "").split(os.pathsep):
+        if entry.endswith("libcute_dsl_runtime.so") and Path(entry).is_file():
+            return Path(entry)
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted(Path(root).glob("*/lib/libcute_dsl_runtime.so"))
+        if found:
+            return found[-1]
+    return None
+
+
+def tvm_ffi_library() -> Path:
+    import tvm_ffi
+
+    return Path(tvm_ffi.libinfo.find_libtvm_ffi())
+
+
+@functools.cache
+def _load_runtime_libraries() -> None:
+    """Make the two libraries every exported kernel links against visible to the loader."""
+    runtime = dsl_runtime_library()
+    if runtime is None:
+        raise RuntimeError("torch_cute_ops: libcute_dsl_runtime.so not found (is nvidia-cutlass-dsl installed?)")
+    _keep_alive.append(ctypes.CDLL(str(tvm_ffi_library()), mode=ctypes.RTLD_GLOBAL))
+    _keep_alive.append(ctypes.CDLL(str(runtime), mode=ctypes.RTLD_GLOBAL))
+
+
+def load_library_function(library: Path, symbol: str) -> Callable:
+    """The TVM-FFI function ``symbol`` of a shared library built by :func:`link_library`."""
+    _load_runtime_libraries()
+    module = _load_module(str(library))
+    return getattr(module, symbol)
+
+
+@functools.cache
+def _load_module(path: str):
+    import tvm_ffi
+
+    module = tvm_ffi.load_module(path)
+    _keep_alive.append(module)
+    return module
+
+
+def _linker() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def link_library(objects: Iterable[Path], library: Path) -> None:
+    """Link exported kernel objects into one shared library (the DSL's AOT recipe)."""
+    cc = _linker()
+    if cc is None:
+        raise RuntimeError("no C compiler to link kernel libraries (set CC)")
+    runtime = dsl_runtime_library()
+    if runtime is None:
+        raise RuntimeError("libcute_dsl_runtime.so not found (is nvidia-cutlass-dsl installed?)")
+    cmd = [cc, "-shared", "-o", str(library), *map(str, objects),
+           f"-L{runtime.parent}", "-lcute_dsl_runtime", f"-L{tvm_ffi_library().parent}", "-ltvm_ffi"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"linking {library.name} failed: {proc.stderr.strip()[-2000:]}")
+
+
+# ------------------------------------------------------------------------------ trust
+
+def untrusted_reason(path: Path, *, must_own: bool) -> str | None:
+    """Why loading code from folder or file ``path`` could run someone else's code, or None.
+
+    Writable by every user: refused. ``must_own`` (the cache): owned by another user, or
+    group-writable with a group other than ours, is refused too. Otherwise (a prebuilt
+    library, often installed by root): the owner may be root or us.
+    """
+    st = path.stat()
+    uid = os.getuid()
+    if st.st_mode & stat.S_IWOTH:
+        return f"{path} is writable by every user"
+    if must_own:
+        if st.st_uid != uid:
+            return f"{path} is owned by uid {st.st_uid}, not by this user (uid {uid})"
+        if st.st_mode & stat.S_IWGRP and st.st_gid != os.getgid():
+            return f"{path} is writable by group {st.st_gid}"
+    elif st.st_uid not in (0, uid):
+        return f"{path} is owned by uid {st.st_uid}, neither root nor this user"
+    return None
+
+
+# ------------------------------------------------------------------------- prebuilt libraries
+
+def aot_dirs() -> list[Path]:
+    dirs = []
+    env = os.environ.get("TORCH_CUTE_OPS_AOT_DIR", "")
+    if env:
+        dirs.append(Path(env))
+    dirs.append(PACKAGED_AOT_DIR)
+    return dirs
+
+
+def manifest_mismatch(manifest: dict) -> str | None:
+    """Why a prebuilt library's manifest does not fit this installation, or None."""
+    if manifest.get("format") != MANIFEST_FORMAT:
+        return f"manifest format {manifest.get('format')} (expected {MANIFEST_FORMAT})"
+    have = toolchain()
+    for key in ("sources", "cutlass_dsl", "tvm_ffi"):
+        if manifest.get(key) != have[key]:
+            return f"built with {key} {manifest.get(key)}, this installation has {have[key]}"
+    return None
+
+
+@functools.cache
+def _aot_index(arch: str) -> dict[str, tuple[Path, str]]:
+    """spec digest -> (library, symbol), from the first usable manifest of each AOT folder."""
+    index: dict[str, tuple[Path, str]] = {}
+    for root in reversed(aot_dirs()):  # the environment's folder overrides the package's
+        manifest_path = root / arch / "manifest.json"
+        if not manifest_path.is_file():
+            continue
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            library = manifest_path.parent / manifest["library"]
+            reason = manifest_mismatch(manifest) or untrusted_reason(library.parent, must_own=False) \
+                or untrusted_reason(library, must_own=False)
+            if reason is None and _sha256(library) != manifest["sha256"]:
+                reason = "its sha256 differs from the manifest's (truncated or replaced)"
+        except (OSError, KeyError, ValueError) as err:
+            reason = f"unreadable ({err})"
+        if reason:
+            _warn_once(f"prebuilt kernels in {manifest_path.parent} not used: {reason}")
+            continue
+        for variant in manifest["variants"]:
+            index[variant["digest"]] = (library, variant["symbol"])
+    return index
+
+
+def _load_prebuilt(spec: KernelSpec) -> Callable | None:
+    entry = _aot_index(spec.arch).get(spec.digest)
+    if entry is None:
+        return None
+    start = time.perf_counter()
+    fn = load_library_function(*entry)
+    stats.load_seconds += time.perf_counter() - start
+    stats.aot_hits += 1
+    return fn
+
+
+# ---------------------------------------------------------------------------- on-disk cache
+
+def cache_dir() -> Path | None:
+    """The on-disk cache root, or None when ``TORCH_CUTE_OPS_CACHE_DIR`` is ``off``."""
+    value = os.environ.get("TORCH_CUTE_OPS_CACHE_DIR", "")
+    if value.lower() in ("0", "off", "none", "false"):
+        return None
+    return Path(value) if value else Path.home() / ".cache" / "torch_cute_ops"
+
+
+@functools.cache
+def _environment_key() -> str:
+    import torch
+
+    key = json.dumps({**toolchain(), "torch": torch.__version__, "format": CACHE_FORMAT}, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class DiskEntry:
+    library: Path
+    sidecar: Path
+    lock: Path
+
+
+def _disk_entry(spec: KernelSpec) -> DiskEntry | None:
+    """Where ``spec`` lives in the on-disk cache, or None when the cache is off or refused."""
+    root = cache_dir()
+    if root is None:
+        return None
+    folder = root / f"v{CACHE_FORMAT}-{_environment_key()}"
+    try:
+        for path in (root, folder):
+            path.mkdir(mode=0o700, exist_ok=True)
+            reason = untrusted_reason(path, must_own=True)
+            if reason:
+                _warn_once(f"on-disk kernel cache refused: {reason}; kernels compile in memory only")
+                return None
+    except OSError as err:
+        _warn_once(f"on-disk kernel cache unavailable ({err}); kernels compile in memory only")
+        return None
+    stem = folder / f"{spec.name[:100]}-{spec.digest}"
+    return DiskEntry(stem.with_suffix(".so"), stem.with_suffix(".json"), stem.with_suffix(".lock"))
+
+
+def _check_disk_entry(spec: KernelSpec, entry: DiskEntry) -> str | None:
+    """Why the files of ``entry`` must not be loaded, or None (missing files: 'missing')."""
+    if not entry.sidecar.exists() or not entry.library.exists():
+        return "missing"
+    try:
+        meta = json.loads(entry.sidecar.read_text())
+    except (OSError, ValueError) as err:
+        return f"unreadable sidecar ({err})"
+    if meta.get("spec") != repr(spec) or meta.get("symbol") != spec.symbol:
+        return "it belongs to another variant"
+    if entry.library.stat().st_size != meta.get("size") or _sha256(entry.library) != meta.get("sha256"):
+        return "its size or sha256 differs from what was stored (truncated or replaced)"
+    return untrusted_reason(entry.library, must_own=True)
+
+
+def _load_disk(spec: KernelSpec, entry: DiskEntry) -> Callable | None:
+    if _check_disk_entry(spec, entry) is not None:
+        return None
+    start = time.perf_counter()
+    try:
+        fn = load_library_function(entry.library, spec.symbol)
+    except Exception as err:  # noqa: BLE001 (a library that does not load is rebuilt)
+        log.warning("torch_cute_ops: cached kernel %s does not load (%s); rebuilding it", entry.library, err)
+        return None
+    stats.load_seconds += time.perf_counter() - start
+    stats.disk_hits += 1
+    return fn
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _remove(*paths: Path) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def store_to_disk(spec: KernelSpec, compiled, entry: DiskEntry) -> None:
+    """Export, link and publish one variant (the caller holds the entry's lock)."""
+    tmp = entry.library.with_name(f"{entry.library.stem}.{os.getpid()}.tmp")
+    obj, lib, side = tmp.with_suffix(".o"), tmp.with_suffix(".so"), tmp.with_suffix(".json")
+    try:
+        compiled.export_to_c(str(obj), function_name=spec.symbol)
+        link_library([obj], lib)
+        meta = {"spec": repr(spec), "symbol": spec.symbol, "size": lib.stat().st_size, "sha256": _sha256(lib),
+                **toolchain()}
+        side.write_text(json.dumps(meta, indent=1))
+        os.replace(lib, entry.library)  # atomic: readers never see half a file
+        os.replace(side, entry.sidecar)
+    finally:
+        _remove(obj, lib, side)
+
+
+# ------------------------------------------------------------------------------- compiling
+
+def _refuse_while_tracing() -> None:
+    import torch
+
+    if torch.compiler.is_compiling():
+        raise RuntimeError("torch_cute_ops: kernels are never compiled while torch.compile traces")
+    from torch._guards import detect_fake_mode
+
+    if detect_fake_mode() is not None:
+        raise RuntimeError("torch_cute_ops: kernels are never compiled under FakeTensorMode")
+
+
+def _jit(spec: KernelSpec):
+    from ..kernels import compile_spec
+
+    start = time.perf_counter()
+    compiled = compile_spec(spec)
+    stats.compile_seconds += time.perf_counter() - start
+    stats.compiles += 1
+    return compiled
+
+
+def _compile_or_load(spec: KernelSpec) -> Callable:
+    entry = _disk_entry(spec)
+    if entry is None:
+        _refuse_while_tracing()
+        return _jit(spec)
+    fn = _load_disk(spec, entry)
+    if fn is not None:
+        return fn
+    _refuse_while_tracing()
+    with _file_lock(entry.lock):
+        # another process may have built it while this one waited; or the files are bad
+        reason = _check_disk_entry(spec, entry)
+        if reason is None:
+            fn = _load_disk(spec, entry)
+            if fn is not None:
+                return fn
+        elif reason != "missing":
+            log.warning("torch_cute_ops: removing cached kernel %s: %s", entry.library.name, reason)
+            stats.rejected += 1
+        _remove(entry.library, entry.sidecar)
+        compiled = _jit(spec)
+        try:
+            store_to_disk(spec, compiled, entry)
+        except (OSError, RuntimeError) as err:
+            _warn_once(f"compiled kernels are not cached on disk: {err}")
+        return compiled
+
+
+def get_compiled(spec: KernelSpec) -> Callable:
+    """The callable of ``spec``: from memory, a prebuilt library, the disk cache, or compiled."""
+    fn = _memory.get(spec)
+    if fn is not None:
+        stats.memory_hits += 1
+        return fn
+    with _lock:
+        fn = _memory.get(spec)
+        if fn is None:
+            fn = _load_prebuilt(spec) or _compile_or_load(spec)
+            _memory[spec] = fn
+    return fn
+
+
+def clear_memory_cache() -> None:
+    """Forget what this process loaded (what a new process sees); for tests."""
+    _memory.clear()
+    _aot_index.cache_clear()

@@ -1,0 +1,260 @@
+"""Host side of the GEMM kernels (sm90, sm100): variants, coverage and the per-layout launch plan.
+
+The op layer asks :meth:`GemmHost.plan` once per operand layout (shapes, strides, dtypes,
+flags) for a :class:`GemmLaunch` or the reason no kernel covers it; a call then costs an
+alignment check of the data pointers and one TVM-FFI call. Everything here is plain torch:
+the CuTe DSL is imported only if a variant must be compiled.
+
+Kernel convention: the compiled function takes torch-order tensors a (L, M, K), b (L, K, N),
+[bias (N,)], out (L, M, N), then ``alpha`` and the persistent grid size, and reads the stream
+from the TVM-FFI env stream (the current torch stream).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .cache import get_compiled
+from .gemm_config import GemmConfig, choose_config
+from .spec import KernelSpec
+from .tma import TMA_ALIGN_BYTES, tma_reason
+
+ACTIVATIONS = ("relu", "gelu_tanh", "silu")  # the epilogues the kernels compile (kernels/common/activation.py)
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+INPUT_DTYPES = (torch.bfloat16, torch.float16)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def gemm_spec(family: str, arch: str, ab: str, out: str, a_k_major: bool, b_k_major: bool, has_bias: bool,
+              activation: str | None, config: GemmConfig) -> KernelSpec:
+    """a is (L, M, K): K-major or M-major; b is (L, K, N): K-major or N-major."""
+    return KernelSpec.make(family, arch, ab=ab, out=out, a_major="k" if a_k_major else "m",
+                           b_major="k" if b_k_major else "n", bias=has_bias, act=activation or "none",
+                           **config.spec_params())
+
+
+# ------------------------------------------------------------------------ operand layouts
+
+def _aligned(extent: int, element_size: int) -> int:
+    per_16b = TMA_ALIGN_BYTES // element_size
+    return max(-(-extent // per_16b) * per_16b, per_16b)
+
+
+def operand_strides(shape, stride, element_size) -> tuple[tuple[int, int, int], bool]:
+    """TMA-friendly strides for an (L, R, C) operand, and whether C is the contiguous dim.
+
+    For a (L, M, K), C-contiguous means K-major; for b (L, K, N) it means N-major. A size-1
+    dim carries no stride information, so the majorness comes from a dim of size > 1 with
+    stride 1, and size-1 dims get aligned strides (a free as_strided view; the values are
+    never used for addressing) so the TMA accepts them.
+    """
+    batch, rows, cols = shape
+    s_batch, s_rows, s_cols = stride
+    if cols > 1 and s_cols == 1:
+        cols_major = True
+    elif rows > 1 and s_rows == 1:
+        cols_major = False
+    else:  # no size>1 dim with stride 1: a size-1 dim can play the contiguous one
+        cols_major = cols == 1 or rows != 1
+    if cols_major:
+        s_cols = 1 if cols == 1 else s_cols
+        s_rows = _aligned(cols, element_size) if rows == 1 else s_rows
+    else:
+        s_rows = 1
+        s_cols = _aligned(rows, element_size) if cols == 1 else s_cols
+    if batch == 1:
+        s_batch = _aligned(rows * cols, element_size)
+    return (s_batch, s_rows, s_cols), cols_major
+
+
+def _as_3d(shape, stride):
+    return (tuple(shape), tuple(stride)) if len(shape) == 3 else ((1, *shape), (0, *stride))
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= size
+    return tuple(reversed(strides))
+
+
+def _view(shape, stride, kernel_shape, kernel_stride):
+    """None when a tensor as received is what the kernel takes, else the (shape, strides) of
+    the free as_strided view it gets."""
+    if len(shape) == 3 and tuple(stride) == tuple(kernel_stride):
+        return None
+    return (tuple(kernel_shape), tuple(kernel_stride))
+
+
+def out_strides(shape3, element_size) -> tuple[int, int, int]:
+    """A fresh row-major out (L, M, N), with aligned strides on size-1 dims."""
+    batch, rows, cols = shape3
+    return (_aligned(rows * cols, element_size) if batch == 1 else rows * cols,
+            _aligned(cols, element_size) if rows == 1 else cols, 1)
+
+
+# ----------------------------------------------------------------------------- coverage
+
+def layout_reason(kernel: str, a_dtype, a_shape, a_stride, b_shape, b_stride, bias_layout, activation,
+                  out_dtype) -> str | None:
+    """Why a TMA GEMM kernel cannot take these (L, M, K) / (L, K, N) layouts, or None.
+    The op layer has validated shapes and dtypes; pointers are checked per call."""
+    if a_dtype not in INPUT_DTYPES:
+        return f"{kernel}: inputs must be bf16 or fp16, got {a_dtype}"
+    if out_dtype not in OUT_DTYPES:
+        return f"{kernel}: out dtype must be bf16, fp16 or fp32, got {out_dtype}"
+    if activation is not None and activation not in ACTIVATIONS:
+        return f"{kernel}: activation {activation!r} is not one of {ACTIVATIONS}"
+    batch, m, k = a_shape
+    n = b_shape[2]
+    if k == 0:
+        return f"{kernel}: K == 0 (the TMA needs non-empty operands)"
+    for name, shape, stride in (("a", a_shape, a_stride), ("b", b_shape, b_stride)):
+        strides, cols_major = operand_strides(shape, stride, a_dtype.itemsize)
+        meta = torch.empty_strided(shape, strides, dtype=a_dtype, device="meta")
+        reason = tma_reason(name, meta, (2 if cols_major else 1,))
+        if reason:
+            return reason
+    out_bytes = out_dtype.itemsize
+    if m > 1 and (n * out_bytes) % TMA_ALIGN_BYTES or batch > 1 and (m * n * out_bytes) % TMA_ALIGN_BYTES:
+        return f"out: rows of N={n} {out_dtype} elements are not a multiple of 16 bytes (TMA store)"
+    if bias_layout is not None:
+        bias_shape, bias_stride = bias_layout
+        if bias_stride[0] != 1 and bias_shape[0] > 1:
+            return "bias: must be a contiguous (N,) vector"
+    if max(batch, m, n, k) >= 2**31:
+        return f"{kernel}: sizes must fit in int32"
+    return None
+
+
+def pointer_reason(a, b, bias) -> str | None:
+    """The one per-call check: the TMA needs 16-byte aligned base addresses."""
+    for name, t in (("a", a), ("b", b), ("bias", bias)):
+        if t is not None and t.data_ptr() % TMA_ALIGN_BYTES:
+            return f"{name}: data pointer is not {TMA_ALIGN_BYTES}-byte aligned (storage offset {t.storage_offset()})"
+    return None
+
+
+# ------------------------------------------------------------------------------- launch
+
+class GemmLaunch:
+    """One operand layout's launch: the compiled variant and the 3-D views it takes.
+
+    A view is ``None`` when the tensor already is what the kernel takes, else the
+    ``(shape, strides)`` of a free ``as_strided`` view (2-D operands, size-1 dims).
+    """
+
+    __slots__ = ("fn", "grid", "a_view", "b_view", "out_view", "spec")
+
+    def __init__(self, fn, grid: int, a_view, b_view, out_view, spec: KernelSpec):
+        self.fn, self.grid, self.spec = fn, grid, spec
+        self.a_view, self.b_view, self.out_view = a_view, b_view, out_view
+
+    def __call__(self, a, b, bias, out, alpha: float) -> None:
+        if self.a_view is not None:
+            a = a.as_strided(*self.a_view)
+        if self.b_view is not None:
+            b = b.as_strided(*self.b_view)
+        if self.out_view is not None:
+            out = out.as_strided(*self.out_view)
+        if bias is None:
+            self.fn(a, b, out, alpha, self.grid)
+        else:
+            self.fn(a, b, bias, out, alpha, self.grid)
+
+
+class GemmHost:
+    """The GEMM kernels of one arch, as the op layer sees them."""
+
+    def __init__(self, arch: str, family: str, kernel_name: str):
+        self.arch, self.family, self.kernel_name = arch, family, kernel_name
+
+    def spec(self, *args, **kwargs) -> KernelSpec:
+        return gemm_spec(self.family, self.arch, *args, **kwargs)
+
+    def plan(self, a_shape, a_stride, b_shape, b_stride, dtype, bias_layout, activation, out_dtype,
+             device_index: int, config: GemmConfig | None = None) -> GemmLaunch | str:
+        """The launch of one layout (2-D or 3-D operands, as the op received them), or the
+        reason no kernel covers it. Resolves (maybe compiles) the variant: call it outside
+        tracing, once per layout."""
+        a3, b3 = _as_3d(a_shape, a_stride), _as_3d(b_shape, b_stride)
+        reason = layout_reason(self.kernel_name, dtype, *a3, *b3, bias_layout, activation, out_dtype)
+        if reason:
+            return reason
+        (batch, m, k), n = a3[0], b3[0][2]
+        a_strides, a_k_major = operand_strides(*a3, dtype.itemsize)
+        b_strides, b_n_major = operand_strides(*b3, dtype.itemsize)
+        out_shape = (batch, m, n)
+        sms = sm_count(device_index)
+        config = config or choose_config(self.arch, m, n, k, batch, sms)
+        spec = self.spec(DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], a_k_major, not b_n_major,
+                         bias_layout is not None, activation, config)
+        out_received = tuple(a_shape[:-1]) + (n,)
+        views = (_view(a_shape, a_stride, a3[0], a_strides), _view(b_shape, b_stride, b3[0], b_strides),
+                 _view(out_received, _contiguous_strides(out_received), out_shape,
+                       out_strides(out_shape, out_dtype.itemsize)))
+        return GemmLaunch(get_compiled(spec), sms // (config.cluster_m * config.cluster_n), *views, spec)
+
+    def launch(self, a, b, bias, activation, out, alpha: float = 1.0, config: GemmConfig | None = None) -> None:
+        """out = act(alpha * a @ b + bias) on the current stream, uncached (tests, benchmarks):
+        a (L, M, K) or (M, K), b and out to match; ``config`` overrides the heuristic."""
+        if out.numel() == 0:
+            return
+        bias_layout = None if bias is None else (tuple(bias.shape), bias.stride())
+        device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        plan = self.plan(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype, bias_layout, activation,
+                         out.dtype, device_index, config)
+        if isinstance(plan, str):
+            raise ValueError(plan)
+        if not out.is_contiguous():
+            raise ValueError("out: must be a contiguous (row-major) tensor")
+        plan(a, b, bias, out, float(alpha))
+
+    def unsupported_reason(self, a, b, bias, activation, out_dtype) -> str | None:
+        """Why no kernel takes these tensors (any 2-D/3-D layout, pointers included), or None."""
+        a3, b3 = _as_3d(a.shape, a.stride()), _as_3d(b.shape, b.stride())
+        bias_layout = None if bias is None else (tuple(bias.shape), bias.stride())
+        return (layout_reason(self.kernel_name, a.dtype, *a3, *b3, bias_layout, activation, out_dtype or a.dtype)
+                or pointer_reason(a, b, bias))
+
+    def shipped(self) -> list[KernelSpec]:
+        return _SHIPPED[self.arch](self)
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
+    """bf16 row-major A and B at the two big tiles, the fused bias + gelu_tanh MLP epilogue,
+    the fp16 twin."""
+    big, medium = GemmConfig(128, 256, 2, 1), GemmConfig(128, 128, 2, 1)
+    return [
+        host.spec("bf16", "bf16", True, False, False, None, big),
+        host.spec("bf16", "bf16", True, False, False, None, medium),
+        host.spec("bf16", "bf16", True, False, True, "gelu_tanh", big),
+        host.spec("fp16", "fp16", True, False, False, None, big),
+    ]
+
+
+def _sm100_shipped(host: GemmHost) -> list[KernelSpec]:
+    """1-CTA and 2-CTA (+ 4x1 multicast) tiles, plain and fused epilogues, row-major B (x @ W)
+    and K-major B (x @ W.T, an nn.Linear weight), one fp16 -> fp32."""
+    one_cta, two_cta, two_cta_mcast = GemmConfig(128, 256), GemmConfig(256, 256, 2, 1), GemmConfig(256, 256, 4, 1)
+    return [
+        host.spec("bf16", "bf16", True, False, False, None, one_cta),
+        host.spec("bf16", "bf16", True, True, True, "gelu_tanh", one_cta),
+        host.spec("bf16", "bf16", True, False, False, None, two_cta),
+        host.spec("bf16", "bf16", True, True, True, "relu", two_cta),
+        host.spec("fp16", "fp32", False, False, True, "silu", two_cta_mcast),
+    ]
+
+
+_SHIPPED = {"sm_90a": _sm90_shipped, "sm_100a": _sm100_shipped}
+
+SM90 = GemmHost("sm_90a", "gemm_sm90", "sm90 gemm kernel")
+SM100 = GemmHost("sm_100a", "gemm_sm100", "sm100 gemm kernel")
