@@ -3,8 +3,8 @@
     python bench/bench_attention.py [--backward] [--quick] [--rounds N] [--out DIR]
 
 Grid: FlashAttention-3's (16k tokens in total, hidden 2048, head dims 64/128/256,
-seqlen 512..16k, causal and not), which holds every attention shape of
-/work/shared/anchors.md. bf16, (B, S, H, D) tensors, random inputs, warmed-up JIT,
+seqlen 512..16k, causal and not), which holds every attention shape of the
+anchor table. bf16, (B, S, H, D) tensors, random inputs, warmed-up JIT,
 ``triton.testing.do_bench`` medians, all providers timed side by side per shape.
 TFLOP/s counts 4*B*S*S*H*D for the forward (half when causal) and 2.5x that for
 the backward. Prints a table with ratios, writes JSON (and a PNG when matplotlib
@@ -120,22 +120,28 @@ def _fa4(q, k, v, shape: Shape, backward: bool):
 def _cute(q, k, v, shape: Shape, backward: bool, fwd_overrides=None):
     scale = 1.0 / math.sqrt(shape.head_dim)
     if not backward:
-        from torch_cute_ops.kernels.sm90 import flash_fwd
+        from torch_cute_ops.runtime import attention as flash_host
 
-        reason = flash_fwd.unsupported_reason(q, k, v, shape.causal)
+        reason = flash_host.fwd_unsupported_reason(q, k, v, shape.causal)
         if reason:
             return reason
+        if fwd_overrides is None:  # the public API
+            import torch_cute_ops as tco
+
+            return lambda: tco.flash_attn_func(q, k, v, softmax_scale=scale, causal=shape.causal)
+        # the bare kernel (the launch plan the op caches), maybe with a changed config
         out = torch.empty_like(q)
         lse = torch.empty(shape.batch, shape.heads, shape.seqlen, device=q.device)
         config, max_ctas = None, None
-        if fwd_overrides:
-            fields = dict(fwd_overrides)
-            if fields.pop("per_tile", False):
-                max_ctas = 2**31 - 1  # the grid is clipped to the tile count
-            config = flash_fwd.config_for(shape.head_dim, shape.causal,
-                                          shape.seqlen <= flash_fwd.SHORT_CAUSAL_KEYS)
+        fields = dict(fwd_overrides)
+        if fields.pop("per_tile", False):
+            max_ctas = 2**31 - 1  # the grid is clipped to the tile count
+        if fields:
+            config = flash_host.config_for(shape.head_dim, shape.causal,
+                                           shape.seqlen <= flash_host.SHORT_CAUSAL_KEYS)
             config = replace(config, **{key: type(getattr(config, key))(value) for key, value in fields.items()})
-        return lambda: flash_fwd.launch(q, k, v, out, lse, scale, shape.causal, config, max_ctas)
+        plan = flash_host.plan_fwd(q, k, v, shape.causal, config, max_ctas)
+        return lambda: plan(q, k, v, out, lse, scale)
 
     import torch_cute_ops  # noqa: F401  (registers torch.ops.cute)
     from torch_cute_ops.ops import fallback
@@ -152,6 +158,7 @@ def _cute(q, k, v, shape: Shape, backward: bool, fwd_overrides=None):
 
 PROVIDERS = {
     "cute": _cute,
+    "cute-kernel": partial(_cute, fwd_overrides={}),
     "cudnn": _sdpa("CUDNN_ATTENTION"),
     "sdpa_flash": _sdpa("FLASH_ATTENTION"),
     "fa4": _fa4,
@@ -297,9 +304,9 @@ def main() -> None:
                         help="experiment: backward tile_m x tile_n x stages for head dim D")
     args = parser.parse_args()
     for override in args.bwd_tile:
-        from torch_cute_ops.kernels.sm90 import flash_bwd
+        from torch_cute_ops.runtime import attention as flash_host
         head_dim, tile = override.split("=")
-        flash_bwd.TILE_CONFIGS[int(head_dim)] = tuple(int(x) for x in tile.split("x"))
+        flash_host.BWD_TILES[int(head_dim)] = tuple(int(x) for x in tile.split("x"))
         print(f"backward tile for head dim {head_dim}: {tile}")
     providers = [p for p in args.providers.split(",") if p]
     for variant in args.fwd_config:

@@ -3,10 +3,13 @@
     python bench/bench_gemm.py --out DIR [--quick]
 
 Times every shape with triton.testing.do_bench (median, warmed-up JIT, random bf16
-data), A (M, K) and B (K, N) row-major, and prints TFLOP/s and ratios; also the
-fused bias + gelu_tanh epilogue against torch.addmm + F.gelu, the first-call compile
-time, and the eager per-call host overhead at 64x64x64. Writes DIR/gemm.json (and
-DIR/gemm.png when matplotlib is there).
+data), A (M, K) and B (K, N) row-major, through the public API (``tco.gemm``) beside
+cuBLAS (``torch.matmul``) and QuACK (``quack.gemm_interface.gemm``), plus a bare-kernel
+column (the cached launch plan called directly: no validation, dispatch or allocation), and
+prints TFLOP/s and ratios; also the fused bias + gelu_tanh epilogue against torch.addmm +
+F.gelu, the first-call compile time, and the eager per-call host time at 64x64x64
+(``torch_cute_ops.measure.host_times``). Writes DIR/gemm.json (and DIR/gemm.png when
+matplotlib is there).
 """
 
 import argparse
@@ -58,8 +61,9 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCH_CUTE_OPS_CACHE_DIR", "off")
 
-    from torch_cute_ops.kernels.common.gemm_config import choose_config
-    from torch_cute_ops.kernels.sm90 import gemm as sm90_gemm
+    import torch_cute_ops as tco
+    from torch_cute_ops.runtime.gemm import SM90
+    from torch_cute_ops.runtime.gemm_config import choose_config
 
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
@@ -69,9 +73,18 @@ def main():
     results = {"device": dev, "torch": torch.__version__, "gemm": [], "fused": []}
 
     def ours(a, b, bias=None, activation=None, config=None):
+        """The public API; with ``config``, the bare kernel of that config."""
+        if config is None:
+            return lambda: tco.gemm(a, b, bias, activation)
+        return bare(a, b, bias, activation, config)
+
+    def bare(a, b, bias=None, activation=None, config=None):
+        """The launch plan the op caches, called directly on a preallocated output."""
         out = torch.empty(a.shape[0], b.shape[1], device="cuda", dtype=dtype)
-        return lambda: sm90_gemm.launch(a.unsqueeze(0), b.unsqueeze(0), bias, activation, out.unsqueeze(0),
-                                        config=config)
+        bias_layout = None if bias is None else (tuple(bias.shape), bias.stride())
+        plan = SM90.plan(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), dtype, bias_layout, activation,
+                         dtype, 0, config)
+        return lambda: plan(a, b, bias, out, 1.0)
 
     extra = {name: parse_config(name) for name in args.configs.split(",") if name}
 
@@ -83,8 +96,8 @@ def main():
     results["first_call_s"] = time.perf_counter() - start
 
     shapes = ANCHOR_SHAPES if args.quick else list(dict.fromkeys(ANCHOR_SHAPES + LLM_SHAPES))
-    print(f"{dev}, {sm_count} SMs\n{'M x N x K':>22} {'config':>16} {'ours':>6} {'cuBLAS':>6} {'QuACK':>6} "
-          f"{'/cuBLAS':>7} {'/QuACK':>6}")
+    print(f"{dev}, {sm_count} SMs\n{'M x N x K':>22} {'config':>16} {'tco':>6} {'cuBLAS':>6} {'QuACK':>6} "
+          f"{'/cuBLAS':>7} {'/QuACK':>6} {'bare':>6}")
     for m, n, k in shapes:
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         b = torch.randn(k, n, device="cuda", dtype=dtype)
@@ -93,11 +106,12 @@ def main():
         row["ours"] = tflops(m, n, k, bench(ours(a, b)))
         row["cublas"] = tflops(m, n, k, bench(lambda: torch.matmul(a, b)))
         row["quack"] = tflops(m, n, k, bench(lambda: quack(a, b))) if quack else None
+        row["bare"] = tflops(m, n, k, bench(bare(a, b)))
         row["configs"] = {name: tflops(m, n, k, bench(ours(a, b, config=c))) for name, c in extra.items()}
         results["gemm"].append(row)
         quack_cols = f"{row['quack']:6.0f} {row['ours'] / row['quack']:6.2f}" if quack else f"{'-':>6} {'-':>6}"
         print(f"{m:>6} x {n:>5} x {k:>5} {row['config_short']:>16} {row['ours']:6.0f} {row['cublas']:6.0f} "
-              f"{quack_cols.split()[0]:>6} {row['ours'] / row['cublas']:7.3f} {quack_cols.split()[1]:>6}  "
+              f"{quack_cols.split()[0]:>6} {row['ours'] / row['cublas']:7.3f} {quack_cols.split()[1]:>6} {row['bare']:6.0f}  "
               + " ".join(f"{name} {t:.0f}" for name, t in row["configs"].items()))
 
     print(f"\n{'fused bias+gelu_tanh':>22} {'ours':>6} {'addmm+gelu':>10} {'ratio':>6}")
@@ -125,40 +139,18 @@ def main():
 
 def parse_config(name):
     """'pp128x192c2x1' -> GemmConfig(128, 192, 2, 1, pingpong=True)."""
-    from torch_cute_ops.kernels.common.gemm_config import GemmConfig
+    from torch_cute_ops.runtime.gemm_config import GemmConfig
 
     pingpong = name.startswith("pp")
     tile, cluster = name.removeprefix("pp").split("c")
     return GemmConfig(*map(int, tile.split("x")), *map(int, cluster.split("x")), pingpong=pingpong)
 
 
-def host_overhead(calls=2000):
-    """Eager per-call wall time at 64x64x64, where the launch path dominates."""
-    import torch_cute_ops  # noqa: F401  registers torch.ops.cute
-    from torch_cute_ops.kernels.sm90 import gemm as sm90_gemm
-    from torch_cute_ops.ops import gemm as gemm_op
+def host_overhead():
+    """Eager per-call host time at 64x64x64 (public API, op, bare launch, torch.matmul)."""
+    from torch_cute_ops.measure import host_times
 
-    a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(1, 64, 64, device="cuda", dtype=torch.bfloat16)
-    a3 = a.unsqueeze(0)
-    fns = {
-        "torch.matmul": lambda: torch.matmul(a, a),
-        "cute.gemm op": lambda: torch.ops.cute.gemm(a, a),
-        "op impl, no dispatcher": lambda: gemm_op._gemm(a, a),
-        "unsupported_reason()": lambda: sm90_gemm.unsupported_reason(a3, a3, None, None, None),
-        "kernel launch()": lambda: sm90_gemm.launch(a3, a3, None, None, out),
-    }
-    timings = {}
-    for name, fn in fns.items():
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        timings[name] = (time.perf_counter() - start) / calls * 1e6
-    return timings
+    return host_times()["gemm 64^3"]
 
 
 def plot(results, out_dir):

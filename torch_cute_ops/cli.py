@@ -223,11 +223,59 @@ def functional_sdpa(q, k, v, causal):
     return scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
+def _kernel_sources(arch: str) -> list[tuple[str, str]]:
+    """Where kernels come from in a new process: prebuilt libraries, then the on-disk cache."""
+    import json
+
+    from .runtime import cache
+
+    rows = []
+    for folder in cache.aot_dirs():
+        manifest_path = folder / arch / "manifest.json"
+        if not manifest_path.is_file():
+            rows.append((f"prebuilt ({arch})", f"none in {folder}"))
+            continue
+        manifest = json.loads(manifest_path.read_text())
+        why = cache.manifest_mismatch(manifest)
+        state = f"not used: {why}" if why else "used"
+        rows.append((f"prebuilt ({arch})", f"{len(manifest['variants'])} variants in {folder} ({state})"))
+    root = cache.cache_dir()
+    libraries = len(list(root.glob("v*/*.so"))) if root is not None and root.is_dir() else 0
+    rows.append(("on-disk cache", "off" if root is None else f"{root} ({libraries} kernel libraries)"))
+    return rows
+
+
+def _startup_report(device: torch.device) -> None:
+    from . import measure
+    from .runtime import cache
+
+    print("== start-up")
+    imp = measure.import_cost(runs=3)
+    heavy = ", ".join(imp["heavy_modules"]) or "neither torch._dynamo nor the CuTe DSL"
+    print(f"  {'import torch_cute_ops':<20} +{imp['import_package_s'] * 1e3:.0f} ms over import torch "
+          f"({imp['import_torch_s']:.2f} s); loads {heavy}")
+    for key, value in _kernel_sources("sm_90a" if device.type != "cuda" or torch.cuda.get_device_capability()[0] == 9
+                                      else "sm_100a"):
+        print(f"  {key:<20} {value}")
+    if device.type != "cuda":
+        return
+    root = cache.cache_dir()
+    first = measure.first_calls(str(root) if root is not None else "off")
+    print(f"  {'first call':<20} fresh process with this machine's caches: " + ", ".join(
+        f"{name} {row['first_s'] * 1e3:.1f} ms" for name, row in first.items() if not name.startswith("_"))
+        + f" ({first['_cache']})")
+    for case, row in measure.host_times().items():
+        base_name, base = next(iter(row.items()))
+        print(f"  {'host us/call':<20} {case}: " + ", ".join(
+            f"{name} {us:.1f} ({us / base:.2f}x)" for name, us in row.items()))
+
+
 def main_job() -> int:
     print("== environment")
     for key, value in _environment():
         print(f"  {key:<20} {value}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _startup_report(device)
     print(f"== kernels serving {device}")
     for op, what in _kernels_here(device):
         print(f"  {op:<20} {what}")

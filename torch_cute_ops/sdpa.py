@@ -27,6 +27,7 @@ from .ops import dispatch, fallback
 from .ops.direct import dispatcher_free
 
 _torch_sdpa = F.scaled_dot_product_attention
+_routes: dict[tuple, str | None] = {}
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_HEAD_DIM = 256
 
@@ -66,7 +67,18 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                  is_causal: bool = False, scale: float | None = None,
                                  enable_gqa: bool = False) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention``, served by the cute kernels where they apply."""
-    reason = _reason_for_torch(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    if attn_mask is None and not torch.compiler.is_compiling():
+        # eager calls decide once per layout (the checks cost more than the kernel's launch)
+        route = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device,
+                 dropout_p, is_causal, enable_gqa)
+        reason = _routes.get(route, False)
+        if reason is False:
+            reason = _reason_for_torch(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+            if len(_routes) >= 4096:
+                _routes.clear()
+            _routes[route] = reason
+    else:
+        reason = _reason_for_torch(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if reason is not None:
         fallback.note("scaled_dot_product_attention", reason)
         return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,

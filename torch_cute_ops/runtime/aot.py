@@ -48,7 +48,7 @@ def build_library(arch: str, out_dir: Path, specs: list[KernelSpec],
             compiled = compile_spec(spec, dump_dir=dump if ptx_dir is not None else None)
             seconds = time.perf_counter() - start
             obj = Path(tmp) / f"{spec.symbol}.o"
-            compiled.export_to_c(str(obj), function_name=spec.symbol)
+            compiled.export_to_c(str(obj), function_name=spec.symbol, export_only_tvm_ffi_symbols=True)
             objects.append(obj)
             variants.append({"name": spec.name, "digest": spec.digest, "symbol": spec.symbol,
                              "family": spec.family})

@@ -301,8 +301,8 @@ def _disk_entry(spec: KernelSpec) -> DiskEntry | None:
     except OSError as err:
         _warn_once(f"on-disk kernel cache unavailable ({err}); kernels compile in memory only")
         return None
-    stem = folder / f"{spec.name[:100]}-{spec.digest}"
-    return DiskEntry(stem.with_suffix(".so"), stem.with_suffix(".json"), stem.with_suffix(".lock"))
+    stem = f"{spec.name[:100]}-{spec.digest}"  # names hold dots ("factor=2.0"): no with_suffix
+    return DiskEntry(folder / f"{stem}.so", folder / f"{stem}.json", folder / f"{stem}.lock")
 
 
 def _check_disk_entry(spec: KernelSpec, entry: DiskEntry) -> str | None:
@@ -352,10 +352,10 @@ def _remove(*paths: Path) -> None:
 
 def store_to_disk(spec: KernelSpec, compiled, entry: DiskEntry) -> None:
     """Export, link and publish one variant (the caller holds the entry's lock)."""
-    tmp = entry.library.with_name(f"{entry.library.stem}.{os.getpid()}.tmp")
-    obj, lib, side = tmp.with_suffix(".o"), tmp.with_suffix(".so"), tmp.with_suffix(".json")
+    tmp = f"{entry.library.name[:-3]}.{os.getpid()}.tmp"
+    obj, lib, side = (entry.library.with_name(tmp + suffix) for suffix in (".o", ".so", ".json"))
     try:
-        compiled.export_to_c(str(obj), function_name=spec.symbol)
+        compiled.export_to_c(str(obj), function_name=spec.symbol, export_only_tvm_ffi_symbols=True)
         link_library([obj], lib)
         meta = {"spec": repr(spec), "symbol": spec.symbol, "size": lib.stat().st_size, "sha256": _sha256(lib),
                 **toolchain()}
@@ -423,6 +423,7 @@ def get_compiled(spec: KernelSpec) -> Callable:
     if fn is not None:
         stats.memory_hits += 1
         return fn
+    _refuse_while_tracing()  # kernels are resolved from real-tensor calls only
     with _lock:
         fn = _memory.get(spec)
         if fn is None:
