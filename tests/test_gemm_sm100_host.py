@@ -92,7 +92,7 @@ def test_specs_round_trip_and_register():
     for spec in sm100_gemm.shipped():
         config = GemmConfig.from_spec_params(spec)
         rebuilt = sm100_gemm.spec(spec["ab"], spec["out"], spec["a_major"] == "k", spec["b_major"] == "k",
-                                  spec["bias"], None if spec["act"] == "none" else spec["act"], config)
+                                  spec["bias"], None if spec["act"] == "none" else spec["act"], config, spec["rank"])
         assert rebuilt == spec
     assert set(shipped_specs("sm_100a", "gemm_sm100")) == set(sm100_gemm.shipped())
 

@@ -51,7 +51,8 @@ def check(out, ref, dtype):
 
 
 def run_case(m, n, k, *, batch=1, a_k_major=True, b_n_major=True, dtype=torch.bfloat16, out_dtype=None,
-             bias=False, activation=None, batch_gap=0, config=None, alpha=1.0):
+             bias=False, activation=None, batch_gap=0, config=None, alpha=1.0, two_d=False):
+    """``two_d``: the operands are single 2-D (M, K) / (K, N) views, served by the rank-2 variant."""
     from torch_cute_ops.runtime.gemm import SM90 as sm90_gemm
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -59,8 +60,11 @@ def run_case(m, n, k, *, batch=1, a_k_major=True, b_n_major=True, dtype=torch.bf
     a = operand(batch, m, k, a_k_major, dtype, batch_gap)
     b = operand(batch, k, n, b_n_major, dtype, batch_gap)
     bias_t = torch.randn(n, device="cuda", dtype=dtype) if bias else None
-    assert sm90_gemm.unsupported_reason(a, b, bias_t, activation, out_dtype) is None
     out = torch.full((batch, m, n), float("nan"), device="cuda", dtype=out_dtype)
+    if two_d:
+        assert batch == 1
+        a, b, out = a[0], b[0], out[0]
+    assert sm90_gemm.unsupported_reason(a, b, bias_t, activation, out_dtype) is None
     sm90_gemm.launch(a, b, bias_t, activation, out, alpha, config=config)
     torch.cuda.synchronize()
     check(out, reference(a, b, bias_t, activation, out_dtype, alpha), out_dtype)
@@ -83,9 +87,10 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("two_d", [False, True], ids=["3d", "2d"])
 @pytest.mark.parametrize("m,n,k,a_k_major,b_n_major", SHAPES)
-def test_shapes(m, n, k, a_k_major, b_n_major):
-    run_case(m, n, k, a_k_major=a_k_major, b_n_major=b_n_major)
+def test_shapes(m, n, k, a_k_major, b_n_major, two_d):
+    run_case(m, n, k, a_k_major=a_k_major, b_n_major=b_n_major, two_d=two_d)
 
 
 @pytest.mark.parametrize("a_k_major", [True, False])
@@ -99,6 +104,7 @@ def test_majorness_batched(a_k_major, b_n_major, dtype):
 @pytest.mark.parametrize("bias", [False, True])
 def test_epilogue(activation, bias):
     run_case(777, 1048, 512, bias=bias, activation=activation)
+    run_case(777, 1048, 512, bias=bias, activation=activation, two_d=True, out_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("alpha,bias,activation", [(0.5, True, "gelu_tanh"), (-1.25, False, None),

@@ -28,11 +28,12 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def gemm_spec(family: str, arch: str, ab: str, out: str, a_k_major: bool, b_k_major: bool, has_bias: bool,
-              activation: str | None, config: GemmConfig) -> KernelSpec:
-    """a is (L, M, K): K-major or M-major; b is (L, K, N): K-major or N-major."""
+              activation: str | None, config: GemmConfig, rank: int = 3) -> KernelSpec:
+    """a is ([L,] M, K): K-major or M-major; b is ([L,] K, N): K-major or N-major; ``rank`` 2
+    takes single 2-D operands, 3 batched ones."""
     return KernelSpec.make(family, arch, ab=ab, out=out, a_major="k" if a_k_major else "m",
                            b_major="k" if b_k_major else "n", bias=has_bias, act=activation or "none",
-                           **config.spec_params())
+                           rank=rank, **config.spec_params())
 
 
 # ------------------------------------------------------------------------ operand layouts
@@ -83,8 +84,8 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
 
 def _view(shape, stride, kernel_shape, kernel_stride):
     """None when a tensor as received is what the kernel takes, else the (shape, strides) of
-    the free as_strided view it gets."""
-    if len(shape) == 3 and tuple(stride) == tuple(kernel_stride):
+    the free as_strided view it gets (size-1 dims with strides the TMA would refuse)."""
+    if tuple(stride) == tuple(kernel_stride):
         return None
     return (tuple(kernel_shape), tuple(kernel_stride))
 
@@ -188,14 +189,16 @@ class GemmHost:
         a_strides, a_k_major = operand_strides(*a3, dtype.itemsize)
         b_strides, b_n_major = operand_strides(*b3, dtype.itemsize)
         out_shape = (batch, m, n)
+        o_strides = out_strides(out_shape, out_dtype.itemsize)
+        rank = len(a_shape)  # 2-D operands take the rank-2 variant: no 3-D views per call
         sms = sm_count(device_index)
         config = config or choose_config(self.arch, m, n, k, batch, sms)
         spec = self.spec(DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], a_k_major, not b_n_major,
-                         bias_layout is not None, activation, config)
+                         bias_layout is not None, activation, config, rank)
         out_received = tuple(a_shape[:-1]) + (n,)
-        views = (_view(a_shape, a_stride, a3[0], a_strides), _view(b_shape, b_stride, b3[0], b_strides),
-                 _view(out_received, _contiguous_strides(out_received), out_shape,
-                       out_strides(out_shape, out_dtype.itemsize)))
+        views = (_view(a_shape, a_stride, a3[0][3 - rank:], a_strides[3 - rank:]),
+                 _view(b_shape, b_stride, b3[0][3 - rank:], b_strides[3 - rank:]),
+                 _view(out_received, _contiguous_strides(out_received), out_shape[3 - rank:], o_strides[3 - rank:]))
         return GemmLaunch(get_compiled(spec), sms // (config.cluster_m * config.cluster_n), *views, spec)
 
     def launch(self, a, b, bias, activation, out, alpha: float = 1.0, config: GemmConfig | None = None) -> None:
@@ -231,19 +234,22 @@ def sm_count(device_index: int) -> int:
 
 def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
     """bf16 row-major A and B at the two big tiles, the fused bias + gelu_tanh MLP epilogue,
-    the fp16 twin."""
+    nn.Linear's layout, the fp16 twin; 2-D operands (the eager common case), one batched."""
     big, medium = GemmConfig(128, 256, 2, 1), GemmConfig(128, 128, 2, 1)
     return [
-        host.spec("bf16", "bf16", True, False, False, None, big),
-        host.spec("bf16", "bf16", True, False, False, None, medium),
-        host.spec("bf16", "bf16", True, False, True, "gelu_tanh", big),
-        host.spec("fp16", "fp16", True, False, False, None, big),
+        host.spec("bf16", "bf16", True, False, False, None, big, rank)
+        for rank in (2, 3)
+    ] + [
+        host.spec("bf16", "bf16", True, False, False, None, medium, 2),
+        host.spec("bf16", "bf16", True, False, True, "gelu_tanh", big, 2),
+        host.spec("bf16", "bf16", True, True, True, None, big, 2),  # x @ W.T + b, nn.Linear's weight
+        host.spec("fp16", "fp16", True, False, False, None, big, 2),
     ]
 
 
 def _sm100_shipped(host: GemmHost) -> list[KernelSpec]:
     """1-CTA and 2-CTA (+ 4x1 multicast) tiles, plain and fused epilogues, row-major B (x @ W)
-    and K-major B (x @ W.T, an nn.Linear weight), one fp16 -> fp32."""
+    and K-major B (x @ W.T, an nn.Linear weight), one fp16 -> fp32; batched and one 2-D."""
     one_cta, two_cta, two_cta_mcast = GemmConfig(128, 256), GemmConfig(256, 256, 2, 1), GemmConfig(256, 256, 4, 1)
     return [
         host.spec("bf16", "bf16", True, False, False, None, one_cta),
@@ -251,6 +257,7 @@ def _sm100_shipped(host: GemmHost) -> list[KernelSpec]:
         host.spec("bf16", "bf16", True, False, False, None, two_cta),
         host.spec("bf16", "bf16", True, True, True, "relu", two_cta),
         host.spec("fp16", "fp32", False, False, True, "silu", two_cta_mcast),
+        host.spec("bf16", "bf16", True, True, True, None, one_cta, 2),
     ]
 
 

@@ -30,6 +30,7 @@ from ...runtime.gemm_config import GemmConfig
 from ...runtime.spec import KernelSpec
 from ...runtime.tma import TMA_ALIGN_BYTES
 from ..common.activation import apply_activation
+from ..common.gemm_operands import fake_operand, to_kernel_order
 from ..common.tile_scheduler import PersistentTileScheduler
 
 
@@ -158,20 +159,17 @@ class GemmSm100:
         return tiled_mma.make_fragment_C(cute.append(acc_shape, ACC_STAGES))
 
     @cute.jit
-    def run(self, mA_lmk: cute.Tensor, mB_lkn: cute.Tensor, mOut_lmn: cute.Tensor,
+    def run(self, mA_torch: cute.Tensor, mB_torch: cute.Tensor, mOut_torch: cute.Tensor,
             alpha: cutlass.Float32, max_clusters: cutlass.Int32, stream):
-        self._launch(mA_lmk, mB_lkn, None, mOut_lmn, alpha, max_clusters, stream)
+        self._launch(mA_torch, mB_torch, None, mOut_torch, alpha, max_clusters, stream)
 
     @cute.jit
-    def run_with_bias(self, mA_lmk: cute.Tensor, mB_lkn: cute.Tensor, mBias: cute.Tensor,
-                      mOut_lmn: cute.Tensor, alpha: cutlass.Float32, max_clusters: cutlass.Int32, stream):
-        self._launch(mA_lmk, mB_lkn, mBias, mOut_lmn, alpha, max_clusters, stream)
+    def run_with_bias(self, mA_torch: cute.Tensor, mB_torch: cute.Tensor, mBias: cute.Tensor,
+                      mOut_torch: cute.Tensor, alpha: cutlass.Float32, max_clusters: cutlass.Int32, stream):
+        self._launch(mA_torch, mB_torch, mBias, mOut_torch, alpha, max_clusters, stream)
 
-    def _launch(self, mA_lmk, mB_lkn, mBias, mOut_lmn, alpha, max_clusters, stream):
-        # torch's (L, M, K) / (L, K, N) / (L, M, N) -> CuTe's (M, K, L) / (N, K, L) / (M, N, L)
-        mA = cute.make_tensor(mA_lmk.iterator, cute.select(mA_lmk.layout, mode=[1, 2, 0]))
-        mB = cute.make_tensor(mB_lkn.iterator, cute.select(mB_lkn.layout, mode=[2, 1, 0]))
-        mOut = cute.make_tensor(mOut_lmn.iterator, cute.select(mOut_lmn.layout, mode=[1, 2, 0]))
+    def _launch(self, mA_torch, mB_torch, mBias, mOut_torch, alpha, max_clusters, stream):
+        mA, mB, mOut = to_kernel_order(mA_torch, mB_torch, mOut_torch)
         self._plan(
             LayoutEnum.from_tensor(mA).mma_major_mode(),
             LayoutEnum.from_tensor(mB).mma_major_mode(),
@@ -553,26 +551,14 @@ class GemmSm100:
 
 
 # ---------------------------------------------------------------------- compile
-def _fake_operand(dtype, unit_stride_mode: int):
-    """A fake torch-order (L, R, C) tensor whose mode ``unit_stride_mode`` (1 or 2) is contiguous.
-
-    Sizes are symbolic (no recompile per shape); the other strides carry the 16-byte
-    divisibility the TMA needs.
-    """
-    per_16b = TMA_ALIGN_BYTES * 8 // dtype.width
-    strides = [cute.sym_int64(divisibility=per_16b) for _ in range(3)]
-    strides[unit_stride_mode] = 1
-    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
-    return cute.runtime.make_fake_tensor(dtype, shape, tuple(strides), assumed_align=TMA_ALIGN_BYTES)
-
-
 def build(spec: KernelSpec):
     ab, out = _DSL_TYPES[spec["ab"]], _DSL_TYPES[spec["out"]]
     activation = None if spec["act"] == "none" else spec["act"]
     gemm = GemmSm100(ab, out, spec["bias"], activation, GemmConfig.from_spec_params(spec))
-    mA = _fake_operand(ab, 2 if spec["a_major"] == "k" else 1)
-    mB = _fake_operand(ab, 2 if spec["b_major"] == "n" else 1)
-    mOut = _fake_operand(out, 2)
+    rank = spec["rank"]
+    mA = fake_operand(ab, spec["a_major"] == "k", rank)
+    mB = fake_operand(ab, spec["b_major"] == "n", rank)
+    mOut = fake_operand(out, True, rank)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if spec["bias"]:
         mBias = cute.runtime.make_fake_compact_tensor(ab, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES)

@@ -42,6 +42,7 @@ from ...runtime.gemm_config import GemmConfig
 from ...runtime.spec import KernelSpec
 from ...runtime.tma import TMA_ALIGN_BYTES
 from ..common.activation import apply_activation
+from ..common.gemm_operands import fake_operand, to_kernel_order
 from ..common.tile_scheduler import PersistentTileScheduler
 
 
@@ -121,11 +122,7 @@ class Sm90Gemm:
         self._launch(mA, mB, mC, mC, alpha, max_clusters, stream)
 
     def _launch(self, mA, mB, mBias, mC, alpha, max_clusters, stream):
-        # torch order -> kernel order: a (L, M, K) -> (M, K, L), b (L, K, N) -> (N, K, L),
-        # out (L, M, N) -> (M, N, L); layout permutations only, no data moves
-        mA = cute.make_tensor(mA.iterator, cute.select(mA.layout, mode=[1, 2, 0]))
-        mB = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[2, 1, 0]))
-        mC = cute.make_tensor(mC.iterator, cute.select(mC.layout, mode=[1, 2, 0]))
+        mA, mB, mC = to_kernel_order(mA, mB, mC)
         a_layout = utils.LayoutEnum.ROW_MAJOR if self.a_k_major else utils.LayoutEnum.COL_MAJOR
         b_layout = utils.LayoutEnum.ROW_MAJOR if self.b_k_major else utils.LayoutEnum.COL_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -439,15 +436,6 @@ def _advance_state(state, steps):
 
 # ---- compile-time variants ---------------------------------------------------------------
 
-def _fake_operand(dtype, cols_major: bool):
-    """A torch-order (L, R, C) operand: strides (batch, ld, 1) if C is contiguous, else (batch, 1, ld)."""
-    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
-    align = TMA_ALIGN_BYTES * 8 // dtype.width
-    batch_stride, ld = cute.sym_int64(divisibility=align), cute.sym_int64(divisibility=align)
-    stride = (batch_stride, ld, 1) if cols_major else (batch_stride, 1, ld)
-    return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=TMA_ALIGN_BYTES)
-
-
 def build(spec: KernelSpec):
     ab_dtype, out_dtype = _DSL_TYPES[spec["ab"]], _DSL_TYPES[spec["out"]]
     activation = None if spec["act"] == "none" else spec["act"]
@@ -455,9 +443,10 @@ def build(spec: KernelSpec):
                     activation, GemmConfig.from_spec_params(spec))
     # torch-order tensors (a (L, M, K), b (L, K, N), out (L, M, N)); the jit function
     # permutes their layouts, so the host passes torch tensors as they are
-    mA = _fake_operand(ab_dtype, cols_major=gemm.a_k_major)
-    mB = _fake_operand(ab_dtype, cols_major=not gemm.b_k_major)
-    mC = _fake_operand(out_dtype, cols_major=True)
+    rank = spec["rank"]
+    mA = fake_operand(ab_dtype, gemm.a_k_major, rank)
+    mB = fake_operand(ab_dtype, not gemm.b_k_major, rank)
+    mC = fake_operand(out_dtype, True, rank)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if gemm.has_bias:
         mBias = cute.runtime.make_fake_compact_tensor(ab_dtype, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES)

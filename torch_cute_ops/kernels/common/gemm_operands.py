@@ -1,0 +1,36 @@
+"""The GEMM kernels' view of the torch tensors they are handed (shared by sm90 and sm100).
+
+The op layer passes torch-order operands as they are: a (L, M, K) or (M, K), b (L, K, N) or
+(K, N), out (L, M, N) or (M, N). The kernels work in CuTe's (M, K, L) / (N, K, L) / (M, N, L)
+order; these are layout changes only, no data moves. 2-D operands (the common single GEMM)
+get a unit batch mode here, so the host passes them without building 3-D views per call.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+from ...runtime.tma import TMA_ALIGN_BYTES
+
+
+def to_kernel_order(mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor):
+    """(mA, mB, mC) in (M, K, L), (N, K, L), (M, N, L) order, from 2-D or 3-D torch order."""
+    if cutlass.const_expr(cute.rank(mA.layout) == 2):
+        unit = cute.make_layout(1, stride=0)
+        return (cute.make_tensor(mA.iterator, cute.append(mA.layout, unit)),
+                cute.make_tensor(mB.iterator, cute.append(cute.select(mB.layout, mode=[1, 0]), unit)),
+                cute.make_tensor(mC.iterator, cute.append(mC.layout, unit)))
+    return (cute.make_tensor(mA.iterator, cute.select(mA.layout, mode=[1, 2, 0])),
+            cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[2, 1, 0])),
+            cute.make_tensor(mC.iterator, cute.select(mC.layout, mode=[1, 2, 0])))
+
+
+def fake_operand(dtype, cols_major: bool, rank: int = 3):
+    """A fake torch-order ([L,] R, C) operand with symbolic sizes: C contiguous when
+    ``cols_major``, else R; every other stride 16-byte divisible (what the TMA needs)."""
+    per_16b = TMA_ALIGN_BYTES * 8 // dtype.width
+    ld = cute.sym_int64(divisibility=per_16b)
+    stride = (ld, 1) if cols_major else (1, ld)
+    if rank == 3:
+        stride = (cute.sym_int64(divisibility=per_16b), *stride)
+    shape = tuple(cute.sym_int32() for _ in range(rank))
+    return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=TMA_ALIGN_BYTES)
