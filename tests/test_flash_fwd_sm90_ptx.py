@@ -87,7 +87,8 @@ def test_shipped_variants():
     from torch_cute_ops.runtime import shipped_specs
 
     specs = shipped_specs("sm_90a", "flash_fwd_sm90")
-    assert flash_host.fwd_spec("bf16", 128, True) in specs and len(specs) <= 8
+    assert flash_host.fwd_spec("bf16", 128, True) in specs and len(specs) <= 12
+    assert flash_host.fwd_spec("bf16", 128, False, local=True) in specs  # sliding windows
     assert shipped_specs("sm_100a", "flash_fwd_sm90") == []
     for head_dim in flash_host.HEAD_DIMS:
         cfg = flash_host.config_for(head_dim, False)

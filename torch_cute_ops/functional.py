@@ -43,17 +43,34 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                    causal: bool = False, return_lse: bool = False):
-    """Attention over (batch, seqlen, heads, head_dim) tensors, FlashAttention-style.
+                    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    return_lse: bool = False):
+    """Attention over (batch, seqlen, heads, head_dim) tensors, FlashAttention's API.
 
-    GQA/MQA when k and v have fewer heads than q; ``causal`` is aligned bottom-right when
-    seqlen_q != seqlen_k. With ``return_lse`` also returns the float32 log-sum-exp
-    (batch, heads, seqlen_q).
+    GQA/MQA when k and v have fewer heads than q. ``causal`` is aligned bottom-right when
+    seqlen_q != seqlen_k. ``window_size=(left, right)`` lets query i see key j iff
+    ``i + S_k - S_q - left <= j <= i + S_k - S_q + right`` (-1: unbounded; causal is
+    right = 0). ``softcap > 0`` caps each scaled score at ``softcap * tanh(s / softcap)``. With
+    ``return_lse`` also returns the float32 log-sum-exp (batch, heads, seqlen_q).
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    left, right = _window_bounds(window_size)
+    args = (q, k, v, float(softmax_scale), bool(causal), left, right, float(softcap))
     if dispatcher_free(q, k, v):
-        out, lse = _attention.flash_attn_fwd_impl(q, k, v, float(softmax_scale), bool(causal))
+        out, lse = _attention.flash_attn_fwd_impl(*args)
     else:
-        out, lse = torch.ops.cute.flash_attn_fwd(q, k, v, float(softmax_scale), bool(causal))
+        out, lse = torch.ops.cute.flash_attn_fwd(*args)
     return (out, lse) if return_lse else out
+
+
+def _window_bounds(window_size) -> tuple[int | None, int | None]:
+    """FlashAttention's (left, right), -1 meaning unbounded, as the op's bounds (None: unbounded)."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size: expected a pair (left, right), got {window_size!r}") from None
+    for name, value in (("left", left), ("right", right)):
+        if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool) or value < -1:
+            raise ValueError(f"window_size: {name} must be an int >= -1 (-1: unbounded), got {value!r}")
+    return (None if left == -1 else left), (None if right == -1 else right)

@@ -1,12 +1,12 @@
 """A drop-in ``torch.nn.functional.scaled_dot_product_attention`` and the switch that routes to it.
 
 ``scaled_dot_product_attention`` has PyTorch's signature and semantics: (..., H, S, D) inputs,
-``is_causal`` aligned top-left as PyTorch defines it, ``scale``, ``enable_gqa``. The cases the
-attention op covers go to ``torch.ops.cute.flash_attn_fwd`` (through a free transpose to the
-(B, S, H, D) layout); everything else -- an ``attn_mask``, dropout, a value head dim that differs
-from the query's, causal with seqlen_q != seqlen_k (PyTorch aligns it top-left, the kernels
-bottom-right), a device with no attention kernel -- is counted as a fallback and handed to
-PyTorch's own implementation, which also raises PyTorch's errors for invalid input.
+``is_causal`` aligned top-left as PyTorch defines it (a window bound on the kernels' band when
+seqlen_q != seqlen_k), ``scale``, ``enable_gqa``. The cases the attention op covers go to
+``torch.ops.cute.flash_attn_fwd`` (through a free transpose to the (B, S, H, D) layout);
+everything else -- an ``attn_mask``, dropout, a value head dim that differs from the query's, a
+device with no attention kernel -- is counted as a fallback and handed to PyTorch's own
+implementation, which also raises PyTorch's errors for invalid input.
 
 ``sdpa_override()`` (a context manager) and ``enable_sdpa_override()`` / ``disable_sdpa_override()``
 replace ``torch.nn.functional.scaled_dot_product_attention`` so that unchanged models (which call
@@ -55,8 +55,6 @@ def _reason_for_torch(query, key, value, attn_mask, dropout_p, is_causal, enable
         return f"head dim {query.shape[-1]} > {_MAX_HEAD_DIM}"
     if query.shape[1] != key.shape[1] and (not enable_gqa or query.shape[1] % key.shape[1]):
         return "query and key head counts differ without a valid enable_gqa"
-    if is_causal and query.shape[-2] != key.shape[-2]:
-        return "is_causal with seqlen_q != seqlen_k (PyTorch aligns it top-left, the kernels bottom-right)"
     if query.is_cuda and not _device_has_kernel(query.device):
         return "no attention kernel for this GPU"
     return None
@@ -86,10 +84,15 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    # PyTorch aligns is_causal top-left (key j <= query i): the kernels' band with its right
+    # edge at S_q - S_k relative to their bottom-right diagonal, equal to causal when S_q == S_k
+    causal = bool(is_causal) and query.shape[-2] == key.shape[-2]
+    right = query.shape[-2] - key.shape[-2] if is_causal and not causal else None
+    args = (q, k, v, float(scale), causal, None, right)
     if dispatcher_free(q, k, v):
-        out, _ = _attention.flash_attn_fwd_impl(q, k, v, float(scale), bool(is_causal))
+        out, _ = _attention.flash_attn_fwd_impl(*args)
     else:
-        out, _ = torch.ops.cute.flash_attn_fwd(q, k, v, float(scale), bool(is_causal))
+        out, _ = torch.ops.cute.flash_attn_fwd(*args)
     return out.transpose(1, 2)
 
 

@@ -1,7 +1,8 @@
 """``cute::flash_attn_fwd`` / ``cute::flash_attn_bwd`` in the (B, S, H, D) layout, with autograd.
 
-Semantics (GQA, bottom-right causal, empty rows, lse) are those of
-``torch_cute_ops.reference.attention``.
+Semantics (GQA, bottom-right causal, windows, softcap, empty rows, lse) are those of
+``torch_cute_ops.reference.attention``. The window bounds are SymInts (None: unbounded), so a
+window that depends on sequence lengths (PyTorch's top-left causal) never specializes a graph.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import attention as reference
-from ..runtime.attention import pointer_reason
+from ..runtime.attention import kernel_band, pointer_reason
 from ..runtime.tma import tma_reason
 from . import checks, dispatch, fallback
 from .schemas import lib, qualname, register_impl
@@ -40,6 +41,14 @@ def _validate_qkv(q, k, v) -> None:
         raise ValueError(f"q: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
 
 
+def _validate_softcap(softcap) -> None:
+    if not softcap >= 0.0 or softcap == float("inf"):
+        raise ValueError(f"softcap: expected a finite value >= 0 (0 = off), got {softcap}")
+
+
+SOFTCAP_REASON = "softcap is not in the attention kernels yet"
+
+
 _MAX_PLANS = 4096
 
 
@@ -67,57 +76,65 @@ def _fwd_outputs_like(q):
 _fwd_plans: dict[tuple, object] = {}
 
 
-def _make_fwd_plan(key, q, k, v, causal):
-    """Validate (raises on invalid input) and decide the kernel for one layout, once: a
-    launch, None when there is nothing to compute, or the reason no kernel covers it."""
+def _make_fwd_plan(key, q, k, v, causal, local, softcap):
+    """Validate (raises on invalid input) and decide the kernel for one layout and band kind,
+    once: a launch, None when there is nothing to compute, or the reason no kernel covers it."""
     _validate_qkv(q, k, v)
+    _validate_softcap(softcap)
     plan = "cpu"
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_fwd", q.device)
-        plan = host if isinstance(host, str) else host.plan_fwd(q, k, v, causal)
+        if isinstance(host, str) or softcap:
+            plan = host if isinstance(host, str) else SOFTCAP_REASON
+        else:
+            plan = host.plan_fwd(q, k, v, causal, local=local)
     return _remember(_fwd_plans, key, plan)
 
 
-def flash_attn_fwd_impl(q, k, v, softmax_scale, causal):
-    key = (*_qkv_key(q, k, v), causal)
+def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0):
+    if q.dim() != 4 or k.dim() != 4:
+        _validate_qkv(q, k, v)  # the named error
+    band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
+    key = (*_qkv_key(q, k, v), band_causal, local, softcap != 0.0)
     plan = _fwd_plans.get(key, False)
     if plan is False:
-        plan = _make_fwd_plan(key, q, k, v, causal)
+        plan = _make_fwd_plan(key, q, k, v, band_causal, local, softcap)
     if plan is not None and not isinstance(plan, str):
         reason = pointer_reason(("q", q), ("k", k), ("v", v))
         if reason is None:
             out, lse = _fwd_outputs_like(q)
-            plan(q, k, v, out, lse, softmax_scale)
+            plan(q, k, v, out, lse, softmax_scale, left, right)
             return out, lse
         plan = reason
     if plan is None:
         return _fwd_outputs_like(q)
     if plan != "cpu":
         fallback.note("flash_attn_fwd", plan)
-    return reference.flash_attn_fwd(q, k, v, softmax_scale, causal)
+    return reference.flash_attn_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap)
 
 
 register_impl("flash_attn_fwd", flash_attn_fwd_impl)
 
 
 @torch.library.register_fake(qualname("flash_attn_fwd"), lib=lib)
-def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal):
+def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0):
     _validate_qkv(q, k, v)
+    _validate_softcap(softcap)
     return _fwd_outputs_like(q)
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal = inputs
+    q, k, v, softmax_scale, causal, *band = inputs
     out, lse = output
-    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.softmax_scale, ctx.causal, ctx.band = softmax_scale, causal, tuple(band)
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.cute.flash_attn_bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
-    return dq, dk, dv, None, None
+    dq, dk, dv = torch.ops.cute.flash_attn_bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, *ctx.band)
+    return (dq, dk, dv, None, None) + (None,) * len(ctx.band)
 
 
 torch.library.register_autograd(qualname("flash_attn_fwd"), _fwd_backward,
@@ -142,42 +159,49 @@ def _validate_bwd(dout, q, k, v, out, lse) -> None:
 _bwd_plans: dict[tuple, object] = {}
 
 
-def _make_bwd_plan(key, dout, q, k, v, out, lse, causal):
+def _make_bwd_plan(key, dout, q, k, v, out, lse, causal, local, softcap):
     _validate_bwd(dout, q, k, v, out, lse)
+    _validate_softcap(softcap)
     plan = "cpu"
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_bwd", q.device)
-        plan = host
-        if not isinstance(host, str):
-            plan = (tma_reason("dout", dout, (3,), check_pointer=False)
-                    or tma_reason("out", out, (3,), check_pointer=False) or host.plan_bwd(q, k, v, causal))
+        plan = host if isinstance(host, str) else SOFTCAP_REASON if softcap else (
+            tma_reason("dout", dout, (3,), check_pointer=False)
+            or tma_reason("out", out, (3,), check_pointer=False) or host.plan_bwd(q, k, v, causal, local))
     return _remember(_bwd_plans, key, plan)
 
 
-def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal):
+def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=None, window_right=None,
+                    softcap=0.0):
     # the backward's autograd hands over whatever layout the loss produced
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    if q.dim() != 4 or k.dim() != 4:
+        _validate_bwd(dout, q, k, v, out, lse)  # the named error
+    band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
     key = (*_qkv_key(q, k, v), dout.shape, dout.stride(), dout.dtype, out.shape, out.stride(), out.dtype,
-           lse.shape, lse.dtype, lse.device, causal)
-    plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, causal)
+           lse.shape, lse.dtype, lse.device, band_causal, local, softcap != 0.0)
+    plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, band_causal, local, softcap)
     if not isinstance(plan, str):
         reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
             dq = torch.empty_like(q, memory_format=torch.contiguous_format)
             dk = torch.empty_like(k, memory_format=torch.contiguous_format)
             dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-            plan(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, softmax_scale)
+            plan(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, softmax_scale, left, right)
             return dq, dk, dv
         plan = reason
     if plan != "cpu":
         fallback.note("flash_attn_bwd", plan)
-    return reference.flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal)
+    return reference.flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
+                                    softcap)
 
 
 register_impl("flash_attn_bwd", _flash_attn_bwd)
 
 
 @torch.library.register_fake(qualname("flash_attn_bwd"), lib=lib)
-def _flash_attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal):
+def _flash_attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left=None, window_right=None,
+                         softcap=0.0):
     _validate_bwd(dout, q, k, v, out, lse)
+    _validate_softcap(softcap)
     return tuple(t.new_empty(t.shape) for t in (q, k, v))

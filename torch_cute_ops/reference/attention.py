@@ -5,8 +5,14 @@ Semantics shared with every attention kernel:
 * GQA/MQA: query head ``h`` reads kv head ``h // (H_q // H_kv)``.
 * ``causal`` is aligned bottom-right, as FlashAttention does: query ``i`` attends key ``j``
   iff ``j <= i + (S_k - S_q)``. With S_q == S_k this is the usual lower triangle.
-* A query row that attends to nothing (S_k < S_q under causal) has output 0 and
-  ``lse = -inf``; its gradients are 0.
+* A window ``(window_left, window_right)`` (None: unbounded on that side) lets query ``i``
+  see key ``j`` iff ``i + S_k - S_q - window_left <= j <= i + S_k - S_q + window_right``;
+  ``causal`` is ``window_right = 0`` (the smaller bound wins when both are given). Any
+  integers are allowed: PyTorch's top-left causal is ``window_right = S_q - S_k``.
+* ``softcap > 0`` replaces each scaled score ``s`` by ``softcap * tanh(s / softcap)`` before
+  the softmax (FlashAttention's soft-capping, Gemma 2's logits), with its gradient.
+* A query row that attends to nothing (S_k < S_q under causal, or outside every window) has
+  output 0 and ``lse = -inf``; its gradients are 0.
 * ``lse`` is the natural-log log-sum-exp of the scaled scores, shape (B, H_q, S_q), float32
   (float64 when the inputs are float64, so that gradcheck can verify the backward).
 
@@ -25,9 +31,28 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def causal_mask(seqlen_q: int, seqlen_k: int, device: torch.device) -> torch.Tensor:
     """True where query i may attend key j (bottom-right aligned)."""
-    i = torch.arange(seqlen_q, device=device)[:, None]
+    return band_mask(seqlen_q, seqlen_k, device, None, 0)
+
+
+def band_mask(seqlen_q: int, seqlen_k: int, device: torch.device, window_left, window_right) -> torch.Tensor | None:
+    """True where query i may attend key j under a (left, right) window; None: everywhere."""
+    if window_left is None and window_right is None:
+        return None
+    i = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
     j = torch.arange(seqlen_k, device=device)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if window_right is not None:
+        visible &= j <= i + window_right
+    if window_left is not None:
+        visible &= j >= i - window_left
+    return visible
+
+
+def band(causal: bool, window_left, window_right):
+    """The (left, right) bounds of causal plus a window, None where unbounded."""
+    if causal:
+        window_right = 0 if window_right is None else min(window_right, 0)
+    return window_left, window_right
 
 
 def _expand_kv(t: torch.Tensor, num_heads_q: int) -> torch.Tensor:
@@ -42,37 +67,54 @@ def _reduce_kv(grad: torch.Tensor, num_heads_kv: int) -> torch.Tensor:
     return grad.view(b, s, num_heads_kv, h // num_heads_kv, d).sum(dim=3)
 
 
-def _probabilities(q, k, softmax_scale, causal, lse=None):
-    """Scaled scores' softmax P (B, H_q, S_q, S_k) in the compute dtype, and lse."""
+def _scores(q, k, softmax_scale, causal, window_left, window_right, softcap):
+    """Masked (soft-capped) scaled scores (B, H_q, S_q, S_k), and d(capped)/d(scaled) or None."""
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
-    if causal:
-        scores = scores.masked_fill(~causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+    dcap = None
+    if softcap:
+        capped = torch.tanh(scores / softcap)
+        dcap = 1 - capped * capped
+        scores = softcap * capped
+    visible = band_mask(q.shape[1], k.shape[1], q.device, *band(causal, window_left, window_right))
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores, dcap
+
+
+def _probabilities(q, k, softmax_scale, causal, lse=None, window_left=None, window_right=None, softcap=0.0):
+    """Scaled scores' softmax P (B, H_q, S_q, S_k) in the compute dtype, lse, and the softcap's
+    derivative (None without one)."""
+    scores, dcap = _scores(q, k, softmax_scale, causal, window_left, window_right, softcap)
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
     # rows with no key have lse = -inf: subtract 0 there so P is exp(-inf) = 0, not NaN
     finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return torch.exp(scores - finite_lse[..., None]), lse
+    return torch.exp(scores - finite_lse[..., None]), lse, dcap
 
 
-def flash_attn_fwd(q, k, v, softmax_scale: float, causal: bool):
+def flash_attn_fwd(q, k, v, softmax_scale: float, causal: bool, window_left=None, window_right=None,
+                   softcap: float = 0.0):
     acc = compute_dtype(q.dtype)
     hq = q.shape[2]
     qf, kf, vf = q.to(acc), _expand_kv(k.to(acc), hq), _expand_kv(v.to(acc), hq)
-    p, lse = _probabilities(qf, kf, softmax_scale, causal)
+    p, lse, _ = _probabilities(qf, kf, softmax_scale, causal, None, window_left, window_right, softcap)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vf)
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
-def flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale: float, causal: bool):
+def flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, window_left=None,
+                   window_right=None, softcap: float = 0.0):
     acc = compute_dtype(q.dtype)
     hq, hkv = q.shape[2], k.shape[2]
     qf, kf, vf = q.to(acc), _expand_kv(k.to(acc), hq), _expand_kv(v.to(acc), hq)
     dof, of = dout.to(acc), out.to(acc)
-    p, _ = _probabilities(qf, kf, softmax_scale, causal, lse.to(acc))
+    p, _, dcap = _probabilities(qf, kf, softmax_scale, causal, lse.to(acc), window_left, window_right, softcap)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
     dp = torch.einsum("bqhd,bkhd->bhqk", dof, vf)
     delta = (dof * of).sum(-1).transpose(1, 2)  # D = rowsum(dO * O), (B, H_q, S_q)
     ds = p * (dp - delta[..., None])
+    if dcap is not None:  # through softcap * tanh(s / softcap)
+        ds = ds * dcap
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * softmax_scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * softmax_scale
     grads = (dq.to(q.dtype), _reduce_kv(dk, hkv).to(k.dtype), _reduce_kv(dv, hkv).to(v.dtype))

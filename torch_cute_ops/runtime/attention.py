@@ -6,10 +6,15 @@ and makes one TVM-FFI call.
 
 Compiled functions (torch-order tensors; the stream is the TVM-FFI env stream):
 
-* forward: ``fn(q, k, v, out, lse, tile_counter, softmax_scale, max_ctas)``, q/k/v/out
-  (B, S, H, D), lse (B, H, S_q) fp32, a 4-byte tile counter for the dynamic schedule;
+* forward: ``fn(q, k, v, out, lse, tile_counter, softmax_scale, window_left, window_right,
+  max_ctas)``, q/k/v/out (B, S, H, D), lse (B, H, S_q) fp32, a 4-byte tile counter for the
+  dynamic schedule;
 * backward: ``fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum,
-  softmax_scale)`` with fp32 workspaces padded to whole query blocks.
+  softmax_scale, window_left, window_right)`` with fp32 workspaces padded to whole query blocks.
+
+The visible band of keys is one of three compiled kinds (:func:`kernel_band`): dense, causal
+(bottom-right), or local, a (left, right) window whose bounds are runtime arguments, so one
+variant serves every window and PyTorch's top-left causal alike.
 """
 
 from __future__ import annotations
@@ -71,11 +76,30 @@ def config_for(head_dim: int, causal: bool, short: bool = False) -> FwdConfig:
     return dataclasses.replace(tiles, dynamic_schedule=causal, l2_kv_mib=16 if causal else 4)
 
 
+def kernel_band(causal: bool, window_left, window_right, seqlen_q: int, seqlen_k: int):
+    """(causal, local, left, right) for the kernels from the op's band (None: unbounded).
+
+    A causal right edge with no left one is the causal variant; any other bounded band is a
+    local variant whose open side gets a bound past every key (``S_q + S_k``), and whose
+    bounds are clamped there so that no index arithmetic overflows.
+    """
+    if causal:
+        window_right = 0 if window_right is None else min(window_right, 0)
+    if window_left is None and window_right is None:
+        return False, False, 0, 0
+    if window_left is None and window_right == 0:
+        return True, False, 0, 0
+    far = seqlen_q + seqlen_k
+    left = far if window_left is None else max(min(window_left, far), -far)
+    right = far if window_right is None else max(min(window_right, far), -far)
+    return False, True, left, right
+
+
 def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
-             arch: str = "sm_90a") -> KernelSpec:
+             arch: str = "sm_90a", local: bool = False) -> KernelSpec:
     config = config or config_for(head_dim, causal)
     # the config is in the key: a new config recompiles
-    return KernelSpec.make(FWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal,
+    return KernelSpec.make(FWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
                            config=dataclasses.astuple(config))
 
 
@@ -95,9 +119,9 @@ BWD_TILES = {
 STAT_PAD = 128  # lse and delta rows are padded to whole query blocks for their TMA loads
 
 
-def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a") -> KernelSpec:
+def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False) -> KernelSpec:
     tile_m, tile_n, num_stages = BWD_TILES[head_dim]
-    return KernelSpec.make(BWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal,
+    return KernelSpec.make(BWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
                            tile=(tile_m, tile_n), stages=num_stages)
 
 
@@ -108,7 +132,9 @@ def shipped(arch: str) -> list[KernelSpec]:
         return []
     fwd = [fwd_spec("bf16", h, c) for h in (64, 128, 256) for c in (False, True)]
     fwd.append(fwd_spec("bf16", 64, True, config_for(64, True, short=True)))
+    fwd += [fwd_spec("bf16", h, False, local=True) for h in (64, 128, 256)]  # sliding windows
     bwd = [bwd_spec(d, h, c) for d in ("bf16", "fp16") for h in (64, 128) for c in (False, True)]
+    bwd += [bwd_spec("bf16", h, False, local=True) for h in (64, 128)]
     return fwd + bwd
 
 
@@ -163,7 +189,7 @@ class FlashFwdLaunch:
         self.no_keys = spec is None
         self.dynamic, self.device_index, self.grid = dynamic, device_index, grid
 
-    def __call__(self, q, k, v, out, lse, softmax_scale: float) -> None:
+    def __call__(self, q, k, v, out, lse, softmax_scale: float, window_left: int = 0, window_right: int = 0) -> None:
         if self.no_keys:  # every row attends to nothing
             out.zero_()
             lse.fill_(float("-inf"))
@@ -172,14 +198,14 @@ class FlashFwdLaunch:
             counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         else:
             counter = _unused_counter(self.device_index)
-        self.fn(q, k, v, out, lse, counter, softmax_scale, self.grid)
+        self.fn(q, k, v, out, lse, counter, softmax_scale, window_left, window_right, self.grid)
 
 
 def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
-             max_ctas: int | None = None) -> FlashFwdLaunch | str | None:
-    """The forward launch for this layout, the reason no kernel covers it, or None when there
-    is nothing to compute. ``config`` and ``max_ctas`` override the tiles and the persistent
-    grid (experiments)."""
+             max_ctas: int | None = None, local: bool = False) -> FlashFwdLaunch | str | None:
+    """The forward launch for this layout and band kind (:func:`kernel_band`), the reason no
+    kernel covers it, or None when there is nothing to compute. ``config`` and ``max_ctas``
+    override the tiles and the persistent grid (experiments)."""
     reason = qkv_coverage_reason("flash_fwd_sm90", q, k, v)
     if reason:
         return reason
@@ -191,7 +217,7 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
         return FlashFwdLaunch(None, False, device_index, grid)
     head_dim = q.shape[-1]
     config = config or config_for(head_dim, causal, k.shape[1] <= SHORT_CAUSAL_KEYS)
-    spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config)
+    spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local)
     return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid)
 
 
@@ -203,16 +229,18 @@ class FlashBwdLaunch:
     def __init__(self, spec: KernelSpec):
         self.fn = get_compiled(spec)
 
-    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float) -> None:
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, window_left: int = 0,
+                 window_right: int = 0) -> None:
         batch, seqlen_q, heads, head_dim = q.shape
         padded = -(-seqlen_q // STAT_PAD) * STAT_PAD
         delta = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
         lse_log2 = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
         dq_accum = torch.empty((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
-        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, softmax_scale)
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, softmax_scale, window_left,
+                window_right)
 
 
-def plan_bwd(q, k, v, causal: bool) -> FlashBwdLaunch | str:
+def plan_bwd(q, k, v, causal: bool, local: bool = False) -> FlashBwdLaunch | str:
     """The backward launch for this layout of q, k, v, or the reason no kernel covers it
     (dout and out, loaded like q, are checked by the op layer)."""
     if min(q.shape[0], q.shape[1], k.shape[1]) == 0:
@@ -220,7 +248,7 @@ def plan_bwd(q, k, v, causal: bool) -> FlashBwdLaunch | str:
     reason = qkv_coverage_reason("flash_bwd_sm90", q, k, v)
     if reason:
         return reason
-    return FlashBwdLaunch(bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal))
+    return FlashBwdLaunch(bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal, local=local))
 
 
 def fwd_unsupported_reason(q, k, v, causal: bool) -> str | None:
@@ -234,18 +262,21 @@ def bwd_unsupported_reason(q, k, v, causal: bool) -> str | None:
 
 
 def launch_fwd(q, k, v, out, lse, softmax_scale: float, causal: bool, config: FwdConfig | None = None,
-               max_ctas: int | None = None) -> None:
-    """Uncached forward launch (tests, benchmarks)."""
-    plan = plan_fwd(q, k, v, causal, config, max_ctas)
+               max_ctas: int | None = None, window_left=None, window_right=None) -> None:
+    """Uncached forward launch (tests, benchmarks); the window as the op takes it."""
+    causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
+    plan = plan_fwd(q, k, v, causal, config, max_ctas, local)
     if isinstance(plan, str):
         raise ValueError(plan)
     if plan is not None:
-        plan(q, k, v, out, lse, float(softmax_scale))
+        plan(q, k, v, out, lse, float(softmax_scale), left, right)
 
 
-def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool) -> None:
-    """Uncached backward launch (tests, benchmarks)."""
-    plan = plan_bwd(q, k, v, causal)
+def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool, window_left=None,
+               window_right=None) -> None:
+    """Uncached backward launch (tests, benchmarks); the window as the op takes it."""
+    causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
+    plan = plan_bwd(q, k, v, causal, local)
     if isinstance(plan, str):
         raise ValueError(plan)
-    plan(dout, q, k, v, out, lse, dq, dk, dv, float(softmax_scale))
+    plan(dout, q, k, v, out, lse, dq, dk, dv, float(softmax_scale), left, right)

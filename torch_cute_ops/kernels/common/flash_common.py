@@ -3,9 +3,9 @@
 * accumulator views: a WGMMA accumulator fragment seen as (rows, cols) and as
   the A operand of a register-sourced WGMMA (P in registers for O += P V);
 * :class:`KeyRange`: which key blocks a query block visits (causal is bottom-right
-  aligned: query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``) and which
-  of them need a mask;
-* :func:`mask_scores`: -inf outside the causal band and past ``seqlen_k``;
+  aligned: query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``; a local
+  window bounds the band on both sides) and which of them need a mask;
+* :func:`mask_scores`: -inf outside the causal or local band and past ``seqlen_k``;
 * :class:`OnlineSoftmax`: running row max / row sum in fp32 with exp2 and the
   softmax scale folded into one FFMA per score;
 * :class:`AttentionTileScheduler`: a persistent scheduler (static, or dynamic with
@@ -165,29 +165,46 @@ def convert_to_16bit(src: cute.Tensor, dst: cute.Tensor):
 class KeyRange(DslState):
     """Key-block bounds of one (query block, batch) pair; plain DSL integers.
 
-    ``n_block_max``: one past the last key block with any visible key (0 when a
-    causal query block sees no key at all). ``n_block_min_masked``: key blocks at or
-    past it cross the causal diagonal and need the causal mask; blocks below it
-    are fully visible to every row of the query block.
+    Visible keys are a band per query row ``i``: with ``offset = seqlen_k - seqlen_q``,
+    causal (bottom-right aligned) sees ``j <= i + offset``; a local window (``local``,
+    FlashAttention's ``(left, right)``, both finite here) sees
+    ``i + offset - left <= j <= i + offset + right``.
+
+    ``[n_block_min, n_block_max)``: the key blocks with any visible key (empty when
+    ``n_block_max <= n_block_min``); they are never loaded outside it. Blocks at or past
+    ``n_block_min_masked`` cross the band's right edge, blocks below
+    ``n_block_min_unmasked`` its left edge: only those need a mask.
     """
 
-    dynamic_fields = ("n_block_max", "n_block_min_masked")
+    dynamic_fields = ("n_block_min", "n_block_max", "n_block_min_masked", "n_block_min_unmasked")
 
-    def __init__(self, tile_m: int, tile_n: int, causal: bool, m_block, seqlen_q, seqlen_k):
+    def __init__(self, tile_m: int, tile_n: int, causal: bool, m_block, seqlen_q, seqlen_k,
+                 local: bool = False, left=None, right=None):
         n_blocks_k = (seqlen_k + tile_n - 1) // tile_n
+        self.n_block_min = Int32(0)
         self.n_block_max = n_blocks_k
         self.n_block_min_masked = n_blocks_k
-        if const_expr(causal):
+        self.n_block_min_unmasked = Int32(0)
+        if const_expr(causal or local):
             offset = seqlen_k - seqlen_q
+            right_edge = offset if const_expr(causal) else offset + right
+            first_row = m_block * tile_m
+            last_row = cutlass.min((m_block + 1) * tile_m, seqlen_q) - 1
             # keys visible to the last row of the block, and to its first row
-            last_row_keys = (m_block + 1) * tile_m + offset
-            first_row_keys = m_block * tile_m + offset + 1
+            last_row_keys = last_row + right_edge + 1
+            first_row_keys = first_row + right_edge + 1
             self.n_block_max = cutlass.min(
                 n_blocks_k, (cutlass.max(last_row_keys, 0) + tile_n - 1) // tile_n
             )
             self.n_block_min_masked = cutlass.min(
                 self.n_block_max, cutlass.max(first_row_keys, 0) // tile_n
             )
+            if const_expr(local):
+                # the first key the first row sees, and the first the last row sees
+                first_key_first_row = first_row + offset - left
+                first_key_last_row = last_row + offset - left
+                self.n_block_min = cutlass.max(first_key_first_row, 0) // tile_n
+                self.n_block_min_unmasked = (cutlass.max(first_key_last_row, 0) + tile_n - 1) // tile_n
 
 
 @cute.jit
@@ -202,48 +219,68 @@ def mask_scores(
     causal: cutlass.Constexpr[bool],
     mask_seqlen: cutlass.Constexpr[bool],
     keys_in_rows: cutlass.Constexpr[bool] = False,
+    local: cutlass.Constexpr[bool] = False,
+    left: Int32 = None,
+    right: Int32 = None,
 ):
-    """Set scores outside the visible band to -inf, in place.
+    """Set scores outside the visible band (see :class:`KeyRange`) to -inf, in place.
 
     ``row_start``/``col_start``: the query row and key column of the fragment's
     tile origin. ``tScS``/``t0ScS``: (row, col) coordinates within the tile of this
     thread's and of thread 0's accumulator, both in :func:`acc_as_rows_cols` form.
     Columns are compared through thread 0's coordinates (compile-time constants)
-    against a limit shifted by this thread's column offset: one compare per score.
-    ``keys_in_rows``: the fragment holds S^T (rows are keys, columns queries); the
-    origins keep their meaning (``row_start`` is still the first query).
+    against limits shifted by this thread's column offset: one or two compares per
+    score. ``keys_in_rows``: the fragment holds S^T (rows are keys, columns queries);
+    the origins keep their meaning (``row_start`` is still the first query).
+    ``local``: the band of a (left, right) window; ``causal`` is right = 0, no left edge.
     """
     acc = acc_as_rows_cols(acc_s)
     col_offset = tScS[0, 0][1]
+    offset = seqlen_k - seqlen_q
+    hidden = Int32(1 << 30)  # past every column: the whole row is masked
     if const_expr(keys_in_rows):
-        # key j is visible to query i iff j < seqlen_k and (causal) i >= j - (seqlen_k - seqlen_q)
-        hidden = Int32(1 << 30)  # above every column: the whole row is masked
+        # key j is visible to the queries i in [j - offset - right, j - offset + left]
         for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
             key = col_start + tScS[r, 0][0]
             first_col = Int32(-1)
+            last_col = hidden
             if const_expr(causal):
-                first_col = key - (seqlen_k - seqlen_q) - row_start - col_offset
+                first_col = key - offset - row_start - col_offset
+            if const_expr(local):
+                first_col = key - offset - right - row_start - col_offset
+                last_col = key - offset + left - row_start - col_offset
             if const_expr(mask_seqlen):
                 first_col = cutlass.select_(key < seqlen_k, first_col, hidden)
             for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                acc[r, c] = acc[r, c] if t0ScS[0, c][1] >= first_col else -Float32.inf
+                col = t0ScS[0, c][1]
+                acc[r, c] = acc[r, c] if col >= first_col else -Float32.inf
+                if const_expr(local):
+                    acc[r, c] = acc[r, c] if col <= last_col else -Float32.inf
     else:
         seqlen_limit = seqlen_k - col_start - col_offset
-        if const_expr(not causal):
+        if const_expr(not causal and not local):
             if const_expr(mask_seqlen):
                 for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                     keep = t0ScS[0, c][1] < seqlen_limit
                     for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
                         acc[r, c] = acc[r, c] if keep else -Float32.inf
         else:
-            # query row i sees keys j <= i + seqlen_k - seqlen_q
-            diag = row_start + 1 + seqlen_k - seqlen_q - col_start - col_offset
+            # query row i sees keys j <= i + offset (+ right), and (local) j >= i + offset - left
+            right_edge = offset if const_expr(causal) else offset + right
+            diag = row_start + 1 + right_edge - col_start - col_offset
             for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
                 limit = diag + tScS[r, 0][0]
+                first = limit - 1 - right - left if const_expr(local) else None  # i + offset - left
                 if const_expr(mask_seqlen):
                     limit = cutlass.min(limit, seqlen_limit)
-                for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                    acc[r, c] = acc[r, c] if t0ScS[0, c][1] < limit else -Float32.inf
+                if const_expr(local):
+                    for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                        col = t0ScS[0, c][1]
+                        acc[r, c] = acc[r, c] if col < limit else -Float32.inf
+                        acc[r, c] = acc[r, c] if col >= first else -Float32.inf
+                else:
+                    for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                        acc[r, c] = acc[r, c] if t0ScS[0, c][1] < limit else -Float32.inf
 
 
 # ---------------------------------------------------------------------------

@@ -103,10 +103,11 @@ class FlashBwdSm90:
     """The three kernels and their host function for one (dtype, head_dim, causal)."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int,
-                 num_stages: int):
+                 num_stages: int, local: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
+        self.local = local  # a (left, right) window, runtime bounds (see flash_common.KeyRange)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_stages = num_stages
@@ -153,14 +154,15 @@ class FlashBwdSm90:
     def __call__(self, mdO: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mO: cute.Tensor, mLSE: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mDelta: cute.Tensor, mLSElog2: cute.Tensor,
-                 mdQacc: cute.Tensor, softmax_scale: Float32, stream):
+                 mdQacc: cute.Tensor, softmax_scale: Float32, window_left: Int32, window_right: Int32,
+                 stream):
         # delta and lse * log2(e) are padded to whole query blocks (pad: 0 and +inf)
         num_rows = cute.size(mQ.shape[0]) * cute.size(mDelta.shape[2]) * cute.size(mQ.shape[2])
         self._preprocess_kernel(mO, mdO, mLSE, mDelta, mLSElog2, mdQacc).launch(
             grid=(cute.ceil_div(num_rows, self.rows_per_cta), 1, 1),
             block=[self.row_threads, 1, 1], stream=stream)
         self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, softmax_scale,
-                          stream)
+                          window_left, window_right, stream)
         num_rows = cute.size(mQ.shape[0]) * cute.size(mQ.shape[1]) * cute.size(mQ.shape[2])
         self._postprocess_kernel(mdQacc, mdQ).launch(
             grid=(cute.ceil_div(num_rows, self.rows_per_cta), 1, 1),
@@ -168,6 +170,7 @@ class FlashBwdSm90:
 
     @cute.jit
     def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, softmax_scale,
+                     window_left, window_right,
                      stream):
         # (B, S, H, D) -> (S, D, H, B): TMA tiles over (S, D); (B, H, S) -> (S, H, B)
         seq_major = [1, 3, 2, 0]
@@ -248,7 +251,7 @@ class FlashBwdSm90:
             gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, gmem_dQ, gmem_LSE, gmem_Delta,
             mma_sdp, mma_dkv, mma_dq,
             sQ_layout, sKV_layout, sP_layout, sdS_layout, sdQ_layout, sStat_layout,
-            softmax_scale * LOG2_E, softmax_scale, SharedStorage,
+            softmax_scale * LOG2_E, softmax_scale, window_left, window_right, SharedStorage,
         ).launch(grid=grid, block=[128 + _NUM_MMA_THREADS, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
@@ -318,7 +321,7 @@ class FlashBwdSm90:
         sP_layout: cute.ComposedLayout,  # unused when P stays in registers (swap_sdp)
         sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout,
-        scale_log2: Float32, softmax_scale: Float32,
+        scale_log2: Float32, softmax_scale: Float32, window_left: Int32, window_right: Int32,
         SharedStorage: cutlass.Constexpr,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -351,7 +354,7 @@ class FlashBwdSm90:
 
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         group = mQ.shape[2] // mK.shape[2]
-        m_block_min, m_block_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
+        m_block_min, m_block_max = self._m_block_range(n_block, seqlen_q, seqlen_k, window_left, window_right)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
@@ -368,17 +371,25 @@ class FlashBwdSm90:
             self._consume(mdK, mdV, tma_dK, tma_dV,
                           mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
                           scale_log2, softmax_scale, n_block, kv_head, batch, group,
-                          m_block_min, m_block_max, seqlen_q, seqlen_k)
+                          m_block_min, m_block_max, seqlen_q, seqlen_k, window_left, window_right)
 
     @cute.jit
-    def _m_block_range(self, n_block: Int32, seqlen_q, seqlen_k):
-        """Query blocks that see key block n_block (causal: bottom-right aligned)."""
+    def _m_block_range(self, n_block: Int32, seqlen_q, seqlen_k, window_left: Int32, window_right: Int32):
+        """Query blocks that see key block n_block: the transpose of flash_common.KeyRange
+        (query i sees key j iff i + offset - left <= j <= i + offset + right, causal: right = 0
+        and no left edge). Empty (max == min) when no query sees these keys."""
         m_block_max = cute.ceil_div(seqlen_q, self.tile_m)
         m_block_min = Int32(0)
-        if const_expr(self.causal):
-            # query i sees key j iff j <= i + (seqlen_k - seqlen_q)
-            first_row = n_block * self.tile_n - (seqlen_k - seqlen_q)
+        offset = seqlen_k - seqlen_q
+        if const_expr(self.causal or self.local):
+            right = Int32(0) if const_expr(self.causal) else window_right
+            first_row = n_block * self.tile_n - offset - right
             m_block_min = cutlass.max(first_row, 0) // self.tile_m
+        if const_expr(self.local):
+            last_key = cutlass.min((n_block + 1) * self.tile_n, seqlen_k) - 1
+            rows_end = last_key - offset + window_left + 1  # one past the last row that sees it
+            m_block_max = cutlass.min(m_block_max, (cutlass.max(rows_end, 0) + self.tile_m - 1) // self.tile_m)
+            m_block_max = cutlass.max(m_block_max, m_block_min)
         return m_block_min, m_block_max
 
     @cute.jit
@@ -443,7 +454,7 @@ class FlashBwdSm90:
     def _consume(self, mdK, mdV, tma_dK, tma_dV,
                  mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
                  scale_log2, softmax_scale, n_block, kv_head, batch, group,
-                 m_block_min, m_block_max, seqlen_q, seqlen_k):
+                 m_block_min, m_block_max, seqlen_q, seqlen_k, window_left, window_right):
         tidx = cute.arch.thread_idx()[0] - 128
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         swap = self.swap_sdp
@@ -538,9 +549,14 @@ class FlashBwdSm90:
             needs_mask = last_key >= seqlen_k
             if const_expr(self.causal):
                 needs_mask = needs_mask | (last_key > m_block * self.tile_m + offset)
+            if const_expr(self.local):  # the block crosses the band's right or left edge
+                needs_mask = needs_mask | (last_key > m_block * self.tile_m + offset + window_right)
+                needs_mask = needs_mask | (n_block * self.tile_n < (m_block + 1) * self.tile_m - 1
+                                           + offset - window_left)
             if needs_mask:
                 mask_scores(acc_S, tScS, t0ScS, m_block * self.tile_m, n_block * self.tile_n,
-                            seqlen_q, seqlen_k, self.causal, True, keys_in_rows=swap)
+                            seqlen_q, seqlen_k, self.causal, True, keys_in_rows=swap,
+                            local=self.local, left=window_left, right=window_right)
             for query, coords in by_query:
                 lse_log2 = sLSE[query, q_idx]
                 for rc in coords:
@@ -665,7 +681,7 @@ def _bshd(dtype, head_dim):
 def build(spec: KernelSpec):
     dtype, head_dim = _DTYPES[spec["dtype"]], spec["head_dim"]
     tile_m, tile_n = spec["tile"]
-    kernel = FlashBwdSm90(dtype, head_dim, spec["causal"], tile_m, tile_n, spec["stages"])
+    kernel = FlashBwdSm90(dtype, head_dim, spec["causal"], tile_m, tile_n, spec["stages"], spec["local"])
     bhs = lambda: cute.runtime.make_fake_tensor(
         Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
         stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
@@ -681,7 +697,7 @@ def build(spec: KernelSpec):
         bshd(), bshd(), bshd(), bshd(), bshd(),  # dout, q, k, v, out
         bhs(),  # lse
         bshd(), bshd(), bshd(),  # dq, dk, dv
-        padded_stat(), padded_stat(), dq_accum, Float32(1.0),
+        padded_stat(), padded_stat(), dq_accum, Float32(1.0), Int32(0), Int32(0),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return kernel, fake_args

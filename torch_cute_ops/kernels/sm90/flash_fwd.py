@@ -111,10 +111,12 @@ def _scores_to_p(tOrP, acc_s):
 
 
 class FlashFwdSm90:
-    def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig):
+    def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig, local: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
+        # a (left, right) window, both bounds runtime values (causal is the fixed right = 0)
+        self.local = local
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
         self.num_wg = config.num_wg
@@ -142,6 +144,8 @@ class FlashFwdSm90:
         mLSE: cute.Tensor,  # (B, H_q, S_q) fp32
         mTileCounter: cute.Tensor,  # (1,) int32, zero: the dynamic schedule's claims
         softmax_scale: Float32,
+        window_left: Int32,  # local variants: the band (see KeyRange); ignored otherwise
+        window_right: Int32,
         max_ctas: Int32,
         stream: cuda.CUstream,
     ):
@@ -203,7 +207,7 @@ class FlashFwdSm90:
             tma_q, tma_k, tma_v, tma_o,
             tiled_mma_qk, tiled_mma_pv,
             q_layout, k_layout, v_layout,
-            softmax_scale * LOG2_E,
+            softmax_scale * LOG2_E, window_left, window_right,
             num_m_blocks, heads_per_section,
             tx_bytes[0], tx_bytes[1], tx_bytes[2],
             SharedStorage,
@@ -234,6 +238,8 @@ class FlashFwdSm90:
         k_layout: cute.ComposedLayout,
         v_layout: cute.ComposedLayout,
         scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
         num_m_blocks: Int32,
         heads_per_section: Int32,
         tx_bytes_q: cutlass.Constexpr[int],
@@ -296,17 +302,17 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
-                             pipe_q, pipe_k, pipe_v, tile_source)
+                             pipe_q, pipe_k, pipe_v, tile_source, window_left, window_right)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tile_source, scale_log2,
-                         mQ.shape[0], mK.shape[0])
+                         mQ.shape[0], mK.shape[0], window_left, window_right)
 
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
-                pipe_q, pipe_k, pipe_v, tile_source: TileSource):
+                pipe_q, pipe_k, pipe_v, tile_source: TileSource, window_left: Int32, window_right: Int32):
         D = self.head_dim
         scheduler = tile_source.scheduler
         q_per_kv = mQ.shape[2] // mK.shape[2]
@@ -318,7 +324,8 @@ class FlashFwdSm90:
         while scheduler.is_valid(tile):
             m_block, head, batch = scheduler.coords(tile)
             head_kv = head // q_per_kv
-            keys = KeyRange(self.tile_m, self.tile_n, self.causal, m_block, seqlen_q, seqlen_k)
+            keys = KeyRange(self.tile_m, self.tile_n, self.causal, m_block, seqlen_q, seqlen_k,
+                            self.local, window_left, window_right)
             # ((TMA atom), rest) views of the smem stages and the gmem tiles
             gQ = cute.local_tile(mQ[None, None, head, batch], (64, D), (None, 0))
             gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, D), (None, 0))
@@ -326,8 +333,8 @@ class FlashFwdSm90:
             tQsQ, tQgQ = self._tma_views(tma_q, sQ, gQ)
             tKsK, tKgK = self._tma_views(tma_k, sK, gK)
             tVsV, tVgV = self._tma_views(tma_v, sV, gV)
-            n_max = keys.n_block_max
-            if n_max > 0:
+            n_min, n_max = keys.n_block_min, keys.n_block_max
+            if n_max > n_min:
                 pipe_k.producer_acquire(kv_state)
                 cute.copy(tma_k, tKgK[None, n_max - 1], tKsK[None, kv_state.index],
                           tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
@@ -336,9 +343,9 @@ class FlashFwdSm90:
                 cute.copy(tma_q, tQgQ[None, m_block * self.num_wg + w], tQsQ[None, w],
                           tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
-            if n_max > 0:
+            if n_max > n_min:
                 # K of block n-1 goes before V of block n: the consumers' order
-                for i in cutlass.range(n_max - 1, unroll=1):
+                for i in cutlass.range(n_max - 1 - n_min, unroll=1):
                     n = n_max - 1 - i
                     v_state = kv_state.clone()
                     kv_state.advance()
@@ -349,7 +356,7 @@ class FlashFwdSm90:
                     cute.copy(tma_v, tVgV[None, n], tVsV[None, v_state.index],
                               tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
                 pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_v, tVgV[None, 0], tVsV[None, kv_state.index],
+                cute.copy(tma_v, tVgV[None, n_min], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                 kv_state.advance()
             tile, tile_state = tile_source.produce_next(tile, tile_state)
@@ -365,7 +372,7 @@ class FlashFwdSm90:
     @cute.jit
     def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                 pipe_q, pipe_k, pipe_v, tile_source: TileSource,
-                scale_log2: Float32, seqlen_q: Int32, seqlen_k: Int32):
+                scale_log2: Float32, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32, window_right: Int32):
         D = self.head_dim
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -408,17 +415,20 @@ class FlashFwdSm90:
         tile = scheduler.first_tile()
         while scheduler.is_valid(tile):
             m_block, head, batch = scheduler.coords(tile)
-            keys = KeyRange(self.tile_m, self.tile_n, self.causal, m_block, seqlen_q, seqlen_k)
+            keys = KeyRange(self.tile_m, self.tile_n, self.causal, m_block, seqlen_q, seqlen_k,
+                            self.local, window_left, window_right)
             row_start = m_block * self.tile_m + wg * 64
             mask = partial(mask_scores, tScS=tScS, t0ScS=t0ScS, row_start=m_block * self.tile_m,
-                           seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+                           seqlen_q=seqlen_q, seqlen_k=seqlen_k, local=self.local, left=window_left,
+                           right=window_right)
 
             softmax.reset()
             acc_o.fill(0.0)
             o_scale.fill(1.0)
-            n_max = keys.n_block_max
+            n_min, n_max = keys.n_block_min, keys.n_block_max
+            banded = self.causal or self.local
             pipe_q.consumer_wait(q_state)
-            if n_max > 0:
+            if n_max > n_min:
                 # last key block first: it alone may hold keys past seqlen_k
                 pipe_k.consumer_wait(kv_state)
                 acc_s = qk_gemm(kv_state.index, 0)
@@ -426,17 +436,26 @@ class FlashFwdSm90:
                 mask(acc_s, col_start=(n_max - 1) * self.tile_n, causal=self.causal, mask_seqlen=True)
                 softmax.step(acc_s, is_first=True)
                 to_p(acc_s)
-                n_masked_end = cutlass.max(keys.n_block_min_masked, 0)
-                if const_expr(self.causal):
-                    for i in cutlass.range(cutlass.max(n_max - 1 - n_masked_end, 0), unroll=1):
+                # blocks n_max-2 .. n_min, newest first: those crossing the band's right edge
+                # (masked), the inside (no mask), those crossing its left edge (local, masked)
+                right_end = cutlass.max(cutlass.min(keys.n_block_min_masked, n_max - 1), n_min)
+                if const_expr(banded):
+                    for i in cutlass.range(n_max - 1 - right_end, unroll=1):
                         kv_state = self.overlapped_block(
                             kv_state, n_max - 2 - i, qk_gemm, pv_gemm, to_p, mask, True,
                             softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
-                n_free = cutlass.min(n_max - 1, n_masked_end)
-                for i in cutlass.range(n_free, unroll=1):
+                free_end = n_min
+                if const_expr(self.local):
+                    free_end = cutlass.max(cutlass.min(keys.n_block_min_unmasked, right_end), n_min)
+                for i in cutlass.range(right_end - free_end, unroll=1):
                     kv_state = self.overlapped_block(
-                        kv_state, n_free - 1 - i, qk_gemm, pv_gemm, to_p, mask, False,
+                        kv_state, right_end - 1 - i, qk_gemm, pv_gemm, to_p, mask, False,
                         softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
+                if const_expr(self.local):
+                    for i in cutlass.range(free_end - n_min, unroll=1):
+                        kv_state = self.overlapped_block(
+                            kv_state, free_end - 1 - i, qk_gemm, pv_gemm, to_p, mask, True,
+                            softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
                 # all QK GEMMs are done: with its own O buffer, Q can be refilled now,
                 # under the last P V and the epilogue
                 if const_expr(self.separate_o):
@@ -461,7 +480,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def overlapped_block(self, kv_state, n_block, qk_gemm, pv_gemm, to_p, mask,
-                         causal: cutlass.Constexpr[bool], softmax: OnlineSoftmax,
+                         masked: cutlass.Constexpr[bool], softmax: OnlineSoftmax,
                          acc_o, o_scale, pipe_k, pipe_v, wg):
         """S(n) = Q K(n)^T and O += P(n+1) V(n+1) in flight together, then softmax(S(n))."""
         v_state = kv_state.clone()
@@ -476,7 +495,8 @@ class FlashFwdSm90:
         self.sched_pass(wg)
         warpgroup.wait_group(1)
         pipe_k.consumer_release(kv_state)
-        mask(acc_s, col_start=n_block * self.tile_n, causal=causal, mask_seqlen=False)
+        if const_expr(masked):  # a block on the band's edge (causal or local)
+            mask(acc_s, col_start=n_block * self.tile_n, causal=self.causal, mask_seqlen=False)
         row_scale = softmax.step(acc_s, is_first=False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
@@ -538,7 +558,7 @@ class FlashFwdSm90:
 def build(spec: KernelSpec):
     dtype = _CUTE_DTYPE[spec["dtype"]]
     head_dim, causal = spec["head_dim"], spec["causal"]
-    kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]))
+    kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]), spec["local"])
 
     def bhsd(elem):
         # (B, S, H, D), any strides but the last; 16-byte aligned rows for TMA
@@ -555,5 +575,6 @@ def build(spec: KernelSpec):
     )
     counter = cute.runtime.make_fake_compact_tensor(Int32, (1,), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, 1.0, 132, stream)
+    fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, 1.0, Int32(0), Int32(0), 132,
+                 stream)
     return kernel, fake_args

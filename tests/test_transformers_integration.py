@@ -1,0 +1,89 @@
+"""attn_implementation="cute" for transformers models, on CPU (the kernels' reference path):
+the registration, the mask function's contract, and models that match transformers' own eager
+attention -- causal (Llama), sliding window (Qwen2), soft-capping + window (Gemma 2), padded
+batches (PyTorch's masked path, counted as a fallback)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import torch_cute_ops as tco  # noqa: E402
+from torch_cute_ops.integrations import transformers as cute_hf  # noqa: E402
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+
+
+def build(kind: str, implementation: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=7, max_window_layers=1)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        config = transformers.Gemma2Config(**SMALL, head_dim=16, sliding_window=7, query_pre_attn_scalar=16,
+                                           attn_logit_softcapping=5.0)
+        model = transformers.Gemma2ForCausalLM(config)
+    model.config._attn_implementation = implementation
+    return model.double().eval()
+
+
+def loss_of(model, ids, mask=None):
+    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def test_registered_with_both_interfaces():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert AttentionInterface._global_mapping["cute"] is cute_hf.cute_attention_forward
+    assert AttentionMaskInterface._global_mapping["cute"] is cute_hf.cute_mask
+
+
+def test_mask_function_hands_over_padding_only():
+    full = torch.ones(2, 10, dtype=torch.bool)
+    assert cute_hf.cute_mask(2, torch.arange(10), 10, attention_mask=full) is None
+    assert cute_hf.cute_mask(2, torch.arange(10), 10) is None
+    padded = full.clone()
+    padded[1, 7:] = False
+    assert torch.equal(cute_hf.cute_mask(2, torch.arange(10), 10, attention_mask=padded), padded)
+
+
+def test_sliding_window_maps_to_flash_attention_bounds():
+    # transformers: query i sees key j iff i - W < j <= i, i.e. (left, right) = (W - 1, 0)
+    assert cute_hf._window(None, True) == (-1, -1)
+    assert cute_hf._window(4096, True) == (4095, 0)
+    assert cute_hf._window(8, False) == (7, 7)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2"])
+def test_models_match_transformers_eager_attention(kind):
+    ids = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(1))
+    ref = loss_of(build(kind, "eager"), ids)
+    tco.ops.fallback.reset()
+    ours = loss_of(build(kind, "cute"), ids)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)  # eager upcasts softmax to fp32
+    assert not tco.fallback_counts()
+
+
+def test_padded_batch_takes_the_masked_path_and_says_so():
+    ids = torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 19, dtype=torch.long)
+    mask[0, 12:] = 0
+    for kind in ("llama", "qwen2"):  # (transformers' own eager Gemma 2 gives NaN on right padding)
+        ref = loss_of(build(kind, "eager"), ids, mask)
+        tco.ops.fallback.reset()
+        ours = loss_of(build(kind, "cute"), ids, mask)
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)  # eager upcasts softmax to fp32
+        assert [op for op, _ in tco.fallback_counts()] == ["transformers attention"]
+
+
+def test_generate_decodes_with_the_cache():
+    model = build("llama", "cute")
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+    ours = model.generate(ids, max_new_tokens=6, do_sample=False)
+    ref = build("llama", "eager").generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(ours, ref)

@@ -1,0 +1,1 @@
+"""Integrations with model libraries; each module is imported explicitly, never by the package."""
