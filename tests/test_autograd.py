@@ -61,3 +61,65 @@ def test_lse_is_not_differentiable():
     q, k, v = _f64(1, 3, 1, 4), _f64(1, 3, 1, 4), _f64(1, 3, 1, 4)
     _, lse = tco.flash_attn_func(q, k, v, return_lse=True)
     assert not lse.requires_grad
+
+
+@pytest.mark.parametrize("causal,window,softcap", [
+    (False, (2, 1), 0.0), (True, (3, -1), 0.0), (False, (-1, -1), 1.5), (True, (2, 0), 0.7), (False, (0, 0), 0.0),
+])
+@pytest.mark.parametrize("sq,sk", [(5, 5), (4, 7), (7, 3)])
+def test_flash_attn_window_softcap_gradcheck(causal, window, softcap, sq, sk):
+    q, k, v = _f64(1, sq, 2, 8) * 3, _f64(1, sk, 1, 8), _f64(1, sk, 1, 8)
+    q = q.detach().requires_grad_()
+    fn = lambda q, k, v: tco.flash_attn_func(q, k, v, 0.4, causal, window, softcap)  # noqa: E731
+    assert gradcheck(fn, (q, k, v))
+
+
+def _brute_force(q, k, v, scale, visible, softcap=0.0):
+    """One (query, head) at a time, straight from the definition."""
+    b, sq, h, d = q.shape
+    out = torch.zeros_like(q)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(sq):
+                keys = [j for j in range(k.shape[1]) if visible(i, j)]
+                if not keys:
+                    continue
+                s = torch.stack([q[bi, i, hi] @ k[bi, j, hi] * scale for j in keys])
+                if softcap:
+                    s = softcap * torch.tanh(s / softcap)
+                p = torch.softmax(s, 0)
+                out[bi, i, hi] = sum(p[n] * v[bi, j, hi] for n, j in enumerate(keys))
+    return out
+
+
+@pytest.mark.parametrize("causal,left,right,softcap", [
+    (False, 2, 1, 0.0), (True, 3, None, 0.0), (False, None, -2, 0.0), (False, 0, 0, 0.0), (True, None, 4, 2.0),
+])
+@pytest.mark.parametrize("sq,sk", [(6, 6), (4, 9), (9, 4)])
+def test_window_semantics_match_the_definition(causal, left, right, softcap, sq, sk):
+    """query i sees key j iff i + S_k - S_q - left <= j <= i + S_k - S_q + right (causal:
+    right = min(right, 0)); rows that see nothing are 0 with lse = -inf."""
+    q, k, v = (torch.randn(1, s, 2, 8, dtype=torch.float64) for s in (sq, sk, sk))
+    hi = 0 if causal and right is None else right
+    if causal and right is not None:
+        hi = min(right, 0)
+    offset = sk - sq
+    visible = lambda i, j: ((left is None or j >= i + offset - left)  # noqa: E731
+                            and (hi is None or j <= i + offset + hi))
+    window = (-1 if left is None else left, -1 if hi is None else hi) if right is None or right >= -1 else None
+    out, lse = torch.ops.cute.flash_attn_fwd(q, k, v, 0.3, causal, left, right, softcap)
+    torch.testing.assert_close(out, _brute_force(q, k, v, 0.3, visible, softcap))
+    empty = [i for i in range(sq) if not any(visible(i, j) for j in range(sk))]
+    assert torch.isneginf(lse[0, :, empty]).all() and (out[0, empty] == 0).all()
+    if window is not None and window[0] >= -1 and window[1] >= -1:  # the public API's form
+        torch.testing.assert_close(tco.flash_attn_func(q, k, v, 0.3, causal, window, softcap), out)
+
+
+def test_window_size_is_validated():
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="window_size: left must be an int >= -1"):
+        tco.flash_attn_func(q, q, q, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="window_size: expected a pair"):
+        tco.flash_attn_func(q, q, q, window_size=5)
+    with pytest.raises(ValueError, match="softcap: expected a finite value >= 0"):
+        tco.flash_attn_func(q, q, q, softcap=-1.0)

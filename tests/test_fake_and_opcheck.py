@@ -61,3 +61,12 @@ def test_opcheck_flash_attn(causal):
     out, lse = torch.ops.cute.flash_attn_fwd(q, k, v, 0.25, causal)
     args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, 0.25, causal)
     torch.library.opcheck(torch.ops.cute.flash_attn_bwd.default, args)
+
+
+@pytest.mark.parametrize("band", [(3, 0, 0.0), (None, -4, 0.0), (2, 5, 1.5)])
+def test_opcheck_flash_attn_window_softcap(band):
+    q, k, v = _req(torch.randn(2, 9, 4, 16), torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 16))
+    torch.library.opcheck(torch.ops.cute.flash_attn_fwd.default, (q, k, v, 0.25, False, *band))
+    out, lse = torch.ops.cute.flash_attn_fwd(q, k, v, 0.25, False, *band)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, 0.25, False, *band)
+    torch.library.opcheck(torch.ops.cute.flash_attn_bwd.default, args)

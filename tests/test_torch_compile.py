@@ -93,3 +93,23 @@ def test_fallback_under_compile_is_counted_once_per_graph():
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
     assert tco.fallback_counts() == {
         ("scaled_dot_product_attention", "attn_mask is not supported by the kernels"): 1}
+
+
+def test_top_left_causal_and_windows_compile_without_recompiles():
+    """SDPA's top-left causal passes S_q - S_k as a SymInt window bound: new lengths (and a
+    different S_q - S_k) reuse the graph; a sliding window is a plain int."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def attend(q, k, v):
+        a = tco.scaled_dot_product_attention(q, k, v, is_causal=True)
+        b = tco.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window_size=(3, 0))
+        return a + b.transpose(1, 2)
+
+    compiled = torch.compile(attend, backend=counter, fullgraph=True, dynamic=True)
+    frames = []
+    for sq, sk in ((5, 9), (7, 13), (11, 6)):
+        q, k, v = torch.randn(2, 2, sq, 8), torch.randn(2, 2, sk, 8), torch.randn(2, 2, sk, 8)
+        torch.testing.assert_close(compiled(q, k, v), attend(q, k, v))
+        frames.append(counter.frame_count)
+    assert frames == [frames[0]] * 3, f"recompiled: {frames}"
