@@ -1,0 +1,90 @@
+"""Sliding-window attention through the public API, beside FlashAttention-4's window and our own
+full-causal attention at the same shape.
+
+    python bench/bench_window.py [--seqlen 8192 --batch 2 --heads 16 --head-dim 128 --window 1024]
+                                 [--rounds 3] [--out DIR]
+
+bf16 (B, S, H, D) random inputs, causal with window (W, 0) (each query sees itself and the W
+keys before it). Forward: ``tco.flash_attn_func(..., causal=True, window_size=(W, 0))`` vs
+``flash_attn.cute.flash_attn_func`` with the same window, and vs ``tco.flash_attn_func(...,
+causal=True)``; backward: the gradients of the same calls (``torch.autograd.grad`` given dO).
+Medians of ``triton.testing.do_bench``, providers interleaved over ``--rounds`` rounds. Prints ms
+and ratios, writes DIR/window.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    import torch_cute_ops as tco
+
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except ImportError as err:
+        fa4 = None
+        print(f"FlashAttention-4 unavailable: {err}")
+    torch.manual_seed(0)
+    shape = (args.batch, args.seqlen, args.heads, args.head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    window = (args.window, 0)
+
+    def first(result):
+        return result[0] if isinstance(result, tuple) else result
+
+    calls = {
+        "tco window": lambda: tco.flash_attn_func(q, k, v, causal=True, window_size=window),
+        "tco causal": lambda: tco.flash_attn_func(q, k, v, causal=True),
+    }
+    if fa4 is not None:
+        calls["fa4 window"] = lambda: first(fa4(q, k, v, causal=True, window_size=window))
+    tco.ops.fallback.reset()
+    times = {f"{name} {kind}": [] for name in calls for kind in ("fwd", "bwd")}
+    outs = {name: fn() for name, fn in calls.items()}
+    for _ in range(args.rounds):
+        for name, fn in calls.items():
+            with torch.no_grad():
+                times[f"{name} fwd"].append(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+            out = outs[name]
+            grad = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+            times[f"{name} bwd"].append(do_bench(grad, warmup=25, rep=100, return_mode="median"))
+    ms = {key: statistics.median(values) for key, values in times.items()}
+    ref = outs.get("fa4 window")
+    err = None if ref is None else ((outs["tco window"].float() - ref.float()).norm() / ref.float().norm()).item()
+    print(f"{torch.cuda.get_device_name()}: B{args.batch} S{args.seqlen} H{args.heads} D{args.head_dim}, "
+          f"causal window ({args.window}, 0); median ms of {args.rounds} interleaved rounds")
+    for kind in ("fwd", "bwd"):
+        ours = ms[f"tco window {kind}"]
+        line = f"{kind}: tco window {ours:.3f} ms, tco full causal {ms[f'tco causal {kind}']:.3f} ms " \
+               f"(window/causal {ours / ms[f'tco causal {kind}']:.2f}x time)"
+        if fa4 is not None:
+            line += f", FA4 window {ms[f'fa4 window {kind}']:.3f} ms (tco/FA4 speed {ms[f'fa4 window {kind}'] / ours:.2f}x)"
+        print(line)
+    print(f"fallbacks: {tco.fallback_counts() or 'none'}; rel. diff of outputs vs FA4: {err}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "window.json").write_text(json.dumps({"ms": ms, "args": vars(args) | {"out": str(args.out)},
+                                                      "fa4_rel_diff": err}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
