@@ -114,3 +114,40 @@ def test_sdpa_top_left_causal_on_the_kernels(seqlen_q, seqlen_k):
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
     rows = ref.isfinite().all(-1)  # torch gives NaN for rows that see no key; ours give 0
     _close("sdpa", ours[rows], ref[rows])
+
+
+# (head_dim, seqlen_q, seqlen_k, heads_q, heads_kv, causal, window_left, softcap, logit_scale)
+SOFTCAP_CASES = [
+    (128, 500, 500, 4, 2, True, None, 50.0, 30.0),   # logits ~N(0, 30): deep in tanh's bend
+    (64, 333, 517, 4, 4, False, None, 20.0, 30.0),
+    (128, 700, 700, 4, 1, True, 100, 30.0, 10.0),    # Gemma 2's sliding layers: window + softcap
+    (256, 300, 300, 2, 2, True, 64, 50.0, 30.0),
+    (96, 129, 257, 2, 2, False, None, 5.0, 1.0),
+]
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=[f"d{c[0]}-{c[1]}x{c[2]}-cap{c[7]:g}-x{c[8]:g}-w{c[6]}"
+                                                     for c in SOFTCAP_CASES])
+def test_softcap_forward_and_backward(case):
+    """softcap * tanh(s / softcap) on the scaled scores, forward and backward (the kernels use
+    tanh.approx, as FlashAttention does: ~2^-11 relative error on tanh)."""
+    from torch_cute_ops.runtime import attention as flash_host
+
+    head_dim, s_q, s_k, h_q, h_kv, causal, left, softcap, logit_scale = case
+    q, k, v, dout = _inputs(head_dim, 1, s_q, s_k, h_q, h_kv)
+    q = (q.float() * logit_scale).bfloat16()
+    scale = 1.0 / math.sqrt(head_dim)
+    ref_out, ref_lse = ref_fwd(q.float(), k.float(), v.float(), scale, causal, left, None, softcap)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((1, h_q, s_q), float("nan"), device="cuda")
+    flash_host.launch_fwd(q, k, v, out, lse, scale, causal, window_left=left, softcap=softcap)
+    torch.cuda.synchronize()
+    _close("out", out, ref_out, 2e-2)
+    _close("lse", lse, ref_lse, 1e-3)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    flash_host.launch_bwd(dout, q, k, v, out, lse, *grads, scale, causal, window_left=left, softcap=softcap)
+    torch.cuda.synchronize()
+    ref_grads = ref_bwd(dout.float(), q.float(), k.float(), v.float(), out.float(), lse, scale, causal, left, None,
+                        softcap)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        _close(name, g, r, 3e-2)

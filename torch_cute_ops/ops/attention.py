@@ -46,9 +46,6 @@ def _validate_softcap(softcap) -> None:
         raise ValueError(f"softcap: expected a finite value >= 0 (0 = off), got {softcap}")
 
 
-SOFTCAP_REASON = "softcap is not in the attention kernels yet"
-
-
 _MAX_PLANS = 4096
 
 
@@ -84,10 +81,7 @@ def _make_fwd_plan(key, q, k, v, causal, local, softcap):
     plan = "cpu"
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_fwd", q.device)
-        if isinstance(host, str) or softcap:
-            plan = host if isinstance(host, str) else SOFTCAP_REASON
-        else:
-            plan = host.plan_fwd(q, k, v, causal, local=local)
+        plan = host if isinstance(host, str) else host.plan_fwd(q, k, v, causal, local=local, softcap=softcap != 0.0)
     return _remember(_fwd_plans, key, plan)
 
 
@@ -103,7 +97,7 @@ def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window
         reason = pointer_reason(("q", q), ("k", k), ("v", v))
         if reason is None:
             out, lse = _fwd_outputs_like(q)
-            plan(q, k, v, out, lse, softmax_scale, left, right)
+            plan(q, k, v, out, lse, softmax_scale, left, right, softcap)
             return out, lse
         plan = reason
     if plan is None:
@@ -165,9 +159,9 @@ def _make_bwd_plan(key, dout, q, k, v, out, lse, causal, local, softcap):
     plan = "cpu"
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_bwd", q.device)
-        plan = host if isinstance(host, str) else SOFTCAP_REASON if softcap else (
+        plan = host if isinstance(host, str) else (
             tma_reason("dout", dout, (3,), check_pointer=False)
-            or tma_reason("out", out, (3,), check_pointer=False) or host.plan_bwd(q, k, v, causal, local))
+            or tma_reason("out", out, (3,), check_pointer=False) or host.plan_bwd(q, k, v, causal, local, softcap != 0.0))
     return _remember(_bwd_plans, key, plan)
 
 
@@ -187,7 +181,7 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
             dq = torch.empty_like(q, memory_format=torch.contiguous_format)
             dk = torch.empty_like(k, memory_format=torch.contiguous_format)
             dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-            plan(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, softmax_scale, left, right)
+            plan(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, softmax_scale, left, right, softcap)
             return dq, dk, dv
         plan = reason
     if plan != "cpu":

@@ -7,10 +7,11 @@ and makes one TVM-FFI call.
 Compiled functions (torch-order tensors; the stream is the TVM-FFI env stream):
 
 * forward: ``fn(q, k, v, out, lse, tile_counter, softmax_scale, window_left, window_right,
-  max_ctas)``, q/k/v/out (B, S, H, D), lse (B, H, S_q) fp32, a 4-byte tile counter for the
+  softcap, max_ctas)``, q/k/v/out (B, S, H, D), lse (B, H, S_q) fp32, a 4-byte tile counter for the
   dynamic schedule;
 * backward: ``fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum,
-  softmax_scale, window_left, window_right)`` with fp32 workspaces padded to whole query blocks.
+  softmax_scale, window_left, window_right, softcap)`` with fp32 workspaces padded to whole
+  query blocks. Soft-capping is a compiled flag with the cap a runtime value.
 
 The visible band of keys is one of three compiled kinds (:func:`kernel_band`): dense, causal
 (bottom-right), or local, a (left, right) window whose bounds are runtime arguments, so one
@@ -96,11 +97,11 @@ def kernel_band(causal: bool, window_left, window_right, seqlen_q: int, seqlen_k
 
 
 def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
-             arch: str = "sm_90a", local: bool = False) -> KernelSpec:
+             arch: str = "sm_90a", local: bool = False, softcap: bool = False) -> KernelSpec:
     config = config or config_for(head_dim, causal)
     # the config is in the key: a new config recompiles
     return KernelSpec.make(FWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
-                           config=dataclasses.astuple(config))
+                           softcap=softcap, config=dataclasses.astuple(config))
 
 
 # --------------------------------------------------------------------------- backward tiles
@@ -119,10 +120,11 @@ BWD_TILES = {
 STAT_PAD = 128  # lse and delta rows are padded to whole query blocks for their TMA loads
 
 
-def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False) -> KernelSpec:
+def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False,
+             softcap: bool = False) -> KernelSpec:
     tile_m, tile_n, num_stages = BWD_TILES[head_dim]
     return KernelSpec.make(BWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
-                           tile=(tile_m, tile_n), stages=num_stages)
+                           softcap=softcap, tile=(tile_m, tile_n), stages=num_stages)
 
 
 def shipped(arch: str) -> list[KernelSpec]:
@@ -133,6 +135,7 @@ def shipped(arch: str) -> list[KernelSpec]:
     fwd = [fwd_spec("bf16", h, c) for h in (64, 128, 256) for c in (False, True)]
     fwd.append(fwd_spec("bf16", 64, True, config_for(64, True, short=True)))
     fwd += [fwd_spec("bf16", h, False, local=True) for h in (64, 128, 256)]  # sliding windows
+    fwd += [fwd_spec("bf16", 256, c, local=not c, softcap=True) for c in (False, True)]  # Gemma 2's layers
     bwd = [bwd_spec(d, h, c) for d in ("bf16", "fp16") for h in (64, 128) for c in (False, True)]
     bwd += [bwd_spec("bf16", h, False, local=True) for h in (64, 128)]
     return fwd + bwd
@@ -189,7 +192,8 @@ class FlashFwdLaunch:
         self.no_keys = spec is None
         self.dynamic, self.device_index, self.grid = dynamic, device_index, grid
 
-    def __call__(self, q, k, v, out, lse, softmax_scale: float, window_left: int = 0, window_right: int = 0) -> None:
+    def __call__(self, q, k, v, out, lse, softmax_scale: float, window_left: int = 0, window_right: int = 0,
+                 softcap: float = 0.0) -> None:
         if self.no_keys:  # every row attends to nothing
             out.zero_()
             lse.fill_(float("-inf"))
@@ -198,11 +202,11 @@ class FlashFwdLaunch:
             counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         else:
             counter = _unused_counter(self.device_index)
-        self.fn(q, k, v, out, lse, counter, softmax_scale, window_left, window_right, self.grid)
+        self.fn(q, k, v, out, lse, counter, softmax_scale, window_left, window_right, softcap, self.grid)
 
 
 def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
-             max_ctas: int | None = None, local: bool = False) -> FlashFwdLaunch | str | None:
+             max_ctas: int | None = None, local: bool = False, softcap: bool = False) -> FlashFwdLaunch | str | None:
     """The forward launch for this layout and band kind (:func:`kernel_band`), the reason no
     kernel covers it, or None when there is nothing to compute. ``config`` and ``max_ctas``
     override the tiles and the persistent grid (experiments)."""
@@ -217,7 +221,7 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
         return FlashFwdLaunch(None, False, device_index, grid)
     head_dim = q.shape[-1]
     config = config or config_for(head_dim, causal, k.shape[1] <= SHORT_CAUSAL_KEYS)
-    spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local)
+    spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=softcap)
     return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid)
 
 
@@ -230,17 +234,17 @@ class FlashBwdLaunch:
         self.fn = get_compiled(spec)
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, window_left: int = 0,
-                 window_right: int = 0) -> None:
+                 window_right: int = 0, softcap: float = 0.0) -> None:
         batch, seqlen_q, heads, head_dim = q.shape
         padded = -(-seqlen_q // STAT_PAD) * STAT_PAD
         delta = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
         lse_log2 = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
         dq_accum = torch.empty((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, softmax_scale, window_left,
-                window_right)
+                window_right, softcap)
 
 
-def plan_bwd(q, k, v, causal: bool, local: bool = False) -> FlashBwdLaunch | str:
+def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False) -> FlashBwdLaunch | str:
     """The backward launch for this layout of q, k, v, or the reason no kernel covers it
     (dout and out, loaded like q, are checked by the op layer)."""
     if min(q.shape[0], q.shape[1], k.shape[1]) == 0:
@@ -248,7 +252,7 @@ def plan_bwd(q, k, v, causal: bool, local: bool = False) -> FlashBwdLaunch | str
     reason = qkv_coverage_reason("flash_bwd_sm90", q, k, v)
     if reason:
         return reason
-    return FlashBwdLaunch(bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal, local=local))
+    return FlashBwdLaunch(bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal, local=local, softcap=softcap))
 
 
 def fwd_unsupported_reason(q, k, v, causal: bool) -> str | None:
@@ -262,21 +266,21 @@ def bwd_unsupported_reason(q, k, v, causal: bool) -> str | None:
 
 
 def launch_fwd(q, k, v, out, lse, softmax_scale: float, causal: bool, config: FwdConfig | None = None,
-               max_ctas: int | None = None, window_left=None, window_right=None) -> None:
+               max_ctas: int | None = None, window_left=None, window_right=None, softcap: float = 0.0) -> None:
     """Uncached forward launch (tests, benchmarks); the window as the op takes it."""
     causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
-    plan = plan_fwd(q, k, v, causal, config, max_ctas, local)
+    plan = plan_fwd(q, k, v, causal, config, max_ctas, local, softcap != 0.0)
     if isinstance(plan, str):
         raise ValueError(plan)
     if plan is not None:
-        plan(q, k, v, out, lse, float(softmax_scale), left, right)
+        plan(q, k, v, out, lse, float(softmax_scale), left, right, float(softcap))
 
 
 def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool, window_left=None,
-               window_right=None) -> None:
+               window_right=None, softcap: float = 0.0) -> None:
     """Uncached backward launch (tests, benchmarks); the window as the op takes it."""
     causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
-    plan = plan_bwd(q, k, v, causal, local)
+    plan = plan_bwd(q, k, v, causal, local, softcap != 0.0)
     if isinstance(plan, str):
         raise ValueError(plan)
-    plan(dout, q, k, v, out, lse, dq, dk, dv, float(softmax_scale), left, right)
+    plan(dout, q, k, v, out, lse, dq, dk, dv, float(softmax_scale), left, right, float(softcap))

@@ -6,6 +6,7 @@
   aligned: query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``; a local
   window bounds the band on both sides) and which of them need a mask;
 * :func:`mask_scores`: -inf outside the causal or local band and past ``seqlen_k``;
+* :func:`apply_softcap`: logit soft-capping before the mask and the softmax;
 * :class:`OnlineSoftmax`: running row max / row sum in fp32 with exp2 and the
   softmax scale folded into one FFMA per score;
 * :class:`AttentionTileScheduler`: a persistent scheduler (static, or dynamic with
@@ -281,6 +282,15 @@ def mask_scores(
                 else:
                     for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                         acc[r, c] = acc[r, c] if t0ScS[0, c][1] < limit else -Float32.inf
+
+
+@cute.jit
+def apply_softcap(acc_s: cute.Tensor, scale: Float32):
+    """Soft-capping in place: ``acc <- tanh(acc * scale)`` with ``scale = softmax_scale /
+    softcap``; the softmax then takes ``softcap`` as its scale, so that the scores it sees are
+    ``softcap * tanh(softmax_scale * s / softcap)``."""
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        acc_s[i] = cute.math.tanh(acc_s[i] * scale, fastmath=True)
 
 
 # ---------------------------------------------------------------------------

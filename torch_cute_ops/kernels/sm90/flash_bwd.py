@@ -46,7 +46,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from ...runtime.attention import STAT_PAD as _STAT_PAD
 from ...runtime.spec import KernelSpec
 from ..common.flash_common import (
-    LOG2_E, acc_as_rows_cols, convert_to_16bit, mask_scores, tiled_wgmma,
+    LOG2_E, acc_as_rows_cols, apply_softcap, convert_to_16bit, mask_scores, tiled_wgmma,
     transposed_view,
 )
 
@@ -103,11 +103,12 @@ class FlashBwdSm90:
     """The three kernels and their host function for one (dtype, head_dim, causal)."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int,
-                 num_stages: int, local: bool = False):
+                 num_stages: int, local: bool = False, softcap: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
         self.local = local  # a (left, right) window, runtime bounds (see flash_common.KeyRange)
+        self.softcap = softcap  # soft-capped scores (runtime cap value), d tanh kept per score
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_stages = num_stages
@@ -155,14 +156,14 @@ class FlashBwdSm90:
                  mO: cute.Tensor, mLSE: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mDelta: cute.Tensor, mLSElog2: cute.Tensor,
                  mdQacc: cute.Tensor, softmax_scale: Float32, window_left: Int32, window_right: Int32,
-                 stream):
+                 softcap: Float32, stream):
         # delta and lse * log2(e) are padded to whole query blocks (pad: 0 and +inf)
         num_rows = cute.size(mQ.shape[0]) * cute.size(mDelta.shape[2]) * cute.size(mQ.shape[2])
         self._preprocess_kernel(mO, mdO, mLSE, mDelta, mLSElog2, mdQacc).launch(
             grid=(cute.ceil_div(num_rows, self.rows_per_cta), 1, 1),
             block=[self.row_threads, 1, 1], stream=stream)
         self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, softmax_scale,
-                          window_left, window_right, stream)
+                          window_left, window_right, softcap, stream)
         num_rows = cute.size(mQ.shape[0]) * cute.size(mQ.shape[1]) * cute.size(mQ.shape[2])
         self._postprocess_kernel(mdQacc, mdQ).launch(
             grid=(cute.ceil_div(num_rows, self.rows_per_cta), 1, 1),
@@ -170,7 +171,7 @@ class FlashBwdSm90:
 
     @cute.jit
     def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, softmax_scale,
-                     window_left, window_right,
+                     window_left, window_right, softcap,
                      stream):
         # (B, S, H, D) -> (S, D, H, B): TMA tiles over (S, D); (B, H, S) -> (S, H, B)
         seq_major = [1, 3, 2, 0]
@@ -251,9 +252,15 @@ class FlashBwdSm90:
             gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, gmem_dQ, gmem_LSE, gmem_Delta,
             mma_sdp, mma_dkv, mma_dq,
             sQ_layout, sKV_layout, sP_layout, sdS_layout, sdQ_layout, sStat_layout,
-            softmax_scale * LOG2_E, softmax_scale, window_left, window_right, SharedStorage,
+            *self._softmax_scales(softmax_scale, softcap), softmax_scale, window_left, window_right, SharedStorage,
         ).launch(grid=grid, block=[128 + _NUM_MMA_THREADS, 1, 1],
                  smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+
+    def _softmax_scales(self, softmax_scale: Float32, softcap: Float32):
+        """(scale_log2 that recomputes P with exp2, scale of the scores before tanh when capped)."""
+        if const_expr(self.softcap):
+            return softcap * LOG2_E, softmax_scale / softcap
+        return softmax_scale * LOG2_E, softmax_scale
 
     # ---------------------------------------------------------------- pre/postprocess
     @cute.jit
@@ -321,7 +328,7 @@ class FlashBwdSm90:
         sP_layout: cute.ComposedLayout,  # unused when P stays in registers (swap_sdp)
         sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout,
-        scale_log2: Float32, softmax_scale: Float32, window_left: Int32, window_right: Int32,
+        scale_log2: Float32, cap_scale: Float32, softmax_scale: Float32, window_left: Int32, window_right: Int32,
         SharedStorage: cutlass.Constexpr,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -370,7 +377,7 @@ class FlashBwdSm90:
             cute.arch.setmaxregister_increase(_MMA_REGS)
             self._consume(mdK, mdV, tma_dK, tma_dV,
                           mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
-                          scale_log2, softmax_scale, n_block, kv_head, batch, group,
+                          scale_log2, cap_scale, softmax_scale, n_block, kv_head, batch, group,
                           m_block_min, m_block_max, seqlen_q, seqlen_k, window_left, window_right)
 
     @cute.jit
@@ -453,7 +460,7 @@ class FlashBwdSm90:
     @cute.jit
     def _consume(self, mdK, mdV, tma_dK, tma_dV,
                  mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
-                 scale_log2, softmax_scale, n_block, kv_head, batch, group,
+                 scale_log2, cap_scale, softmax_scale, n_block, kv_head, batch, group,
                  m_block_min, m_block_max, seqlen_q, seqlen_k, window_left, window_right):
         tidx = cute.arch.thread_idx()[0] - 128
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -503,6 +510,9 @@ class FlashBwdSm90:
         acc_dK.fill(0.0)
         # (rows, cols) views of S / P and dP / dS, and of their coordinates in the tile
         acc_S_rc, acc_dP_rc = acc_as_rows_cols(acc_S), acc_as_rows_cols(acc_dP)
+        # softcap: d(softcap * tanh(u)) / d(scaled score) = 1 - tanh(u)^2, per score
+        dcap = cute.make_rmem_tensor_like(acc_S) if const_expr(self.softcap) else None
+        dcap_rc = acc_as_rows_cols(dcap) if const_expr(self.softcap) else None
         cS = cute.make_identity_tensor(sdp_tile)
         tScS = acc_as_rows_cols(mma_sdp.get_slice(tidx).partition_C(cS))
         t0ScS = acc_as_rows_cols(mma_sdp.get_slice(0).partition_C(cS))
@@ -546,6 +556,10 @@ class FlashBwdSm90:
             warpgroup.wait_group(1)
 
             # P = exp2(S * scale * log2(e) - lse * log2(e))
+            if const_expr(self.softcap):  # capped before the mask: masked scores stay -inf
+                apply_softcap(acc_S, cap_scale)
+                for i in cutlass.range_constexpr(cute.size(acc_S)):
+                    dcap[i] = 1.0 - acc_S[i] * acc_S[i]
             needs_mask = last_key >= seqlen_k
             if const_expr(self.causal):
                 needs_mask = needs_mask | (last_key > m_block * self.tile_m + offset)
@@ -579,6 +593,8 @@ class FlashBwdSm90:
                 delta = sDelta[query, do_idx]
                 for rc in coords:
                     acc_dP_rc[rc] = acc_S_rc[rc] * (acc_dP_rc[rc] - delta)
+                    if const_expr(self.softcap):
+                        acc_dP_rc[rc] = acc_dP_rc[rc] * dcap_rc[rc]
             rdS = _to_dtype(acc_dP, self.dtype)
             if const_expr(swap and self.num_stages == 1):
                 # single dS buffer: the other warpgroup's dQ of the previous block read it
@@ -681,7 +697,8 @@ def _bshd(dtype, head_dim):
 def build(spec: KernelSpec):
     dtype, head_dim = _DTYPES[spec["dtype"]], spec["head_dim"]
     tile_m, tile_n = spec["tile"]
-    kernel = FlashBwdSm90(dtype, head_dim, spec["causal"], tile_m, tile_n, spec["stages"], spec["local"])
+    kernel = FlashBwdSm90(dtype, head_dim, spec["causal"], tile_m, tile_n, spec["stages"], spec["local"],
+                          spec["softcap"])
     bhs = lambda: cute.runtime.make_fake_tensor(
         Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
         stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
@@ -697,7 +714,7 @@ def build(spec: KernelSpec):
         bshd(), bshd(), bshd(), bshd(), bshd(),  # dout, q, k, v, out
         bhs(),  # lse
         bshd(), bshd(), bshd(),  # dq, dk, dv
-        padded_stat(), padded_stat(), dq_accum, Float32(1.0), Int32(0), Int32(0),
+        padded_stat(), padded_stat(), dq_accum, Float32(1.0), Int32(0), Int32(0), Float32(1.0),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return kernel, fake_args

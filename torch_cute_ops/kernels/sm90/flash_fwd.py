@@ -44,6 +44,7 @@ from ..common.flash_common import (
     AttentionTileScheduler,
     KeyRange,
     OnlineSoftmax,
+    apply_softcap,
     TileSource,
     acc_as_operand_a,
     acc_as_rows_cols,
@@ -105,18 +106,26 @@ def _pv_gemm(tiled_mma, acc_o, tOrP, tOrVt, stage, wait):
     _wgmma(tiled_mma, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait)
 
 
+def _capped_mask(mask, cap_scale, acc_s, **kwargs):
+    """Soft-capping goes before the mask: masked scores must stay -inf."""
+    apply_softcap(acc_s, cap_scale)
+    mask(acc_s, **kwargs)
+
+
 def _scores_to_p(tOrP, acc_s):
     """P = exp'd scores in 16 bits, laid out as the A operand of the PV WGMMA."""
     convert_to_16bit(acc_as_operand_a(acc_s), tOrP)
 
 
 class FlashFwdSm90:
-    def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig, local: bool = False):
+    def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig, local: bool = False,
+                 softcap: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
         # a (left, right) window, both bounds runtime values (causal is the fixed right = 0)
         self.local = local
+        self.softcap = softcap  # scores soft-capped before the mask (runtime cap value)
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
         self.num_wg = config.num_wg
@@ -146,6 +155,7 @@ class FlashFwdSm90:
         softmax_scale: Float32,
         window_left: Int32,  # local variants: the band (see KeyRange); ignored otherwise
         window_right: Int32,
+        softcap: Float32,  # softcap variants: the cap; ignored otherwise
         max_ctas: Int32,
         stream: cuda.CUstream,
     ):
@@ -207,7 +217,7 @@ class FlashFwdSm90:
             tma_q, tma_k, tma_v, tma_o,
             tiled_mma_qk, tiled_mma_pv,
             q_layout, k_layout, v_layout,
-            softmax_scale * LOG2_E, window_left, window_right,
+            *self._softmax_scales(softmax_scale, softcap), window_left, window_right,
             num_m_blocks, heads_per_section,
             tx_bytes[0], tx_bytes[1], tx_bytes[2],
             SharedStorage,
@@ -217,6 +227,12 @@ class FlashFwdSm90:
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def _softmax_scales(self, softmax_scale: Float32, softcap: Float32):
+        """(scale_log2 of the softmax's exp2, scale of the scores before tanh when capped)."""
+        if const_expr(self.softcap):
+            return softcap * LOG2_E, softmax_scale / softcap
+        return softmax_scale * LOG2_E, softmax_scale
 
     # ---------------------------------------------------------------- kernel
     @cute.kernel
@@ -238,6 +254,7 @@ class FlashFwdSm90:
         k_layout: cute.ComposedLayout,
         v_layout: cute.ComposedLayout,
         scale_log2: Float32,
+        cap_scale: Float32,
         window_left: Int32,
         window_right: Int32,
         num_m_blocks: Int32,
@@ -306,7 +323,7 @@ class FlashFwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
-                         pipe_q, pipe_k, pipe_v, tile_source, scale_log2,
+                         pipe_q, pipe_k, pipe_v, tile_source, scale_log2, cap_scale,
                          mQ.shape[0], mK.shape[0], window_left, window_right)
 
     # -------------------------------------------------------------- producer
@@ -372,7 +389,8 @@ class FlashFwdSm90:
     @cute.jit
     def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                 pipe_q, pipe_k, pipe_v, tile_source: TileSource,
-                scale_log2: Float32, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32, window_right: Int32):
+                scale_log2: Float32, cap_scale: Float32, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32,
+                window_right: Int32):
         D = self.head_dim
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -421,6 +439,8 @@ class FlashFwdSm90:
             mask = partial(mask_scores, tScS=tScS, t0ScS=t0ScS, row_start=m_block * self.tile_m,
                            seqlen_q=seqlen_q, seqlen_k=seqlen_k, local=self.local, left=window_left,
                            right=window_right)
+            if const_expr(self.softcap):
+                mask = partial(_capped_mask, mask, cap_scale)
 
             softmax.reset()
             acc_o.fill(0.0)
@@ -495,8 +515,8 @@ class FlashFwdSm90:
         self.sched_pass(wg)
         warpgroup.wait_group(1)
         pipe_k.consumer_release(kv_state)
-        if const_expr(masked):  # a block on the band's edge (causal or local)
-            mask(acc_s, col_start=n_block * self.tile_n, causal=self.causal, mask_seqlen=False)
+        if const_expr(masked or self.softcap):  # a block on the band's edge, or capped scores
+            mask(acc_s, col_start=n_block * self.tile_n, causal=self.causal and masked, mask_seqlen=False)
         row_scale = softmax.step(acc_s, is_first=False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
@@ -558,7 +578,7 @@ class FlashFwdSm90:
 def build(spec: KernelSpec):
     dtype = _CUTE_DTYPE[spec["dtype"]]
     head_dim, causal = spec["head_dim"], spec["causal"]
-    kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]), spec["local"])
+    kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]), spec["local"], spec["softcap"])
 
     def bhsd(elem):
         # (B, S, H, D), any strides but the last; 16-byte aligned rows for TMA
@@ -575,6 +595,6 @@ def build(spec: KernelSpec):
     )
     counter = cute.runtime.make_fake_compact_tensor(Int32, (1,), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, 1.0, Int32(0), Int32(0), 132,
-                 stream)
+    fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, 1.0, Int32(0), Int32(0),
+                 Float32(1.0), 132, stream)
     return kernel, fake_args
