@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--softcap", type=float, default=0.0,
+                        help="also time full causal with this softcap (its cost over no softcap)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     import torch_cute_ops as tco
@@ -56,6 +58,8 @@ def main() -> None:
         "tco window": lambda: tco.flash_attn_func(q, k, v, causal=True, window_size=window),
         "tco causal": lambda: tco.flash_attn_func(q, k, v, causal=True),
     }
+    if args.softcap:
+        calls["tco causal softcap"] = lambda: tco.flash_attn_func(q, k, v, causal=True, softcap=args.softcap)
     if fa4 is not None:
         calls["fa4 window"] = lambda: first(fa4(q, k, v, causal=True, window_size=window))
     tco.ops.fallback.reset()
@@ -80,6 +84,11 @@ def main() -> None:
         if fa4 is not None:
             line += f", FA4 window {ms[f'fa4 window {kind}']:.3f} ms (tco/FA4 speed {ms[f'fa4 window {kind}'] / ours:.2f}x)"
         print(line)
+    if args.softcap:
+        for kind in ("fwd", "bwd"):
+            capped, plain = ms[f"tco causal softcap {kind}"], ms[f"tco causal {kind}"]
+            print(f"{kind}: full causal with softcap {args.softcap:g} {capped:.3f} ms vs without {plain:.3f} ms "
+                  f"(+{(capped / plain - 1) * 100:.1f}%)")
     print(f"fallbacks: {tco.fallback_counts() or 'none'}; rel. diff of outputs vs FA4: {err}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "window.json").write_text(json.dumps({"ms": ms, "args": vars(args) | {"out": str(args.out)},
