@@ -126,3 +126,16 @@ def test_linear_matches_pytorch(shape):
     x, w, bias = torch.randn(shape), torch.randn(5, 7), torch.randn(5)
     torch.testing.assert_close(tco.linear(x, w, bias), F.linear(x, w, bias))
     torch.testing.assert_close(tco.linear(x, w), F.linear(x, w))
+
+
+def test_kernel_band_kinds():
+    """The op's band becomes one of three compiled kinds; open sides get a bound past every key."""
+    from torch_cute_ops.runtime.attention import kernel_band
+
+    assert kernel_band(False, None, None, 7, 9) == (False, False, 0, 0)  # dense
+    assert kernel_band(True, None, None, 7, 9) == (True, False, 0, 0)  # causal
+    assert kernel_band(False, None, 0, 7, 9) == (True, False, 0, 0)  # a right edge of 0 is causal
+    assert kernel_band(True, 5, None, 7, 9) == (False, True, 5, 0)  # causal + window
+    assert kernel_band(True, None, 3, 7, 9) == (True, False, 0, 0)  # causal wins over a wider right
+    assert kernel_band(False, None, -2, 7, 9) == (False, True, 16, -2)  # top-left causal, S_q < S_k
+    assert kernel_band(False, 10 ** 12, 4, 7, 9) == (False, True, 16, 4)  # clamped: no int32 overflow

@@ -185,6 +185,16 @@ def self_check(device: torch.device) -> list[tuple[str, float, float]]:
                                             ref_lse, 128 ** -0.5, causal)
         for name, g, r in zip("qkv", grads, ref_grads):
             rows.append((f"flash_attn bwd d{name} causal={causal}", _rel_err(g, r), 2 * bound))
+    # a sliding window with soft-capping (Gemma 2's layers), forward and backward
+    out = functional.flash_attn_func(q, k, v, causal=True, window_size=(63, 0), softcap=20.0)
+    ref_out, ref_lse = ref_attn.flash_attn_fwd(q.double(), k.double(), v.double(), 128 ** -0.5, True, 63, None, 20.0)
+    rows.append(("flash_attn fwd window (63, 0) softcap 20", _rel_err(out, ref_out), bound))
+    dout = randn(*out.shape)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = ref_attn.flash_attn_bwd(dout.double(), q.double(), k.double(), v.double(), ref_out, ref_lse,
+                                        128 ** -0.5, True, 63, None, 20.0)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        rows.append((f"flash_attn bwd d{name} window (63, 0) softcap 20", _rel_err(g, r), 2 * bound))
     return rows
 
 
