@@ -139,3 +139,23 @@ def test_kernel_band_kinds():
     assert kernel_band(True, None, 3, 7, 9) == (True, False, 0, 0)  # causal wins over a wider right
     assert kernel_band(False, None, -2, 7, 9) == (False, True, 16, -2)  # top-left causal, S_q < S_k
     assert kernel_band(False, 10 ** 12, 4, 7, 9) == (False, True, 16, 4)  # clamped: no int32 overflow
+
+
+def test_packed_gqa_views_map_heads_to_rows():
+    """Decode's pack-GQA: row r of kv head h in the packed views is query head h * g + r, for q,
+    out and lse alike, without copies."""
+    from torch_cute_ops.ops.attention import _packed_gqa_views
+
+    b, h_q, h_kv, d = 2, 8, 2, 16
+    q = torch.randn(b, 1, h_q, d)
+    k = torch.randn(b, 5, h_kv, d)
+    out, lse = torch.randn(b, 1, h_q, d), torch.randn(b, h_q, 1)
+    q_rows, out_rows, lse_rows = _packed_gqa_views(q, k, out, lse)
+    g = h_q // h_kv
+    assert q_rows.shape == out_rows.shape == (b, g, h_kv, d) and lse_rows.shape == (b, h_kv, g)
+    for h in range(h_kv):
+        for r in range(g):
+            assert torch.equal(q_rows[:, r, h], q[:, 0, h * g + r])
+            assert torch.equal(out_rows[:, r, h], out[:, 0, h * g + r])
+            assert torch.equal(lse_rows[:, h, r], lse[:, h * g + r, 0])
+    assert q_rows.data_ptr() == q.data_ptr() and out_rows.data_ptr() == out.data_ptr()
