@@ -47,13 +47,13 @@ def test_one_query_token_against_a_cache(case):
 
 def test_packed_views_write_every_head():
     """Poisoned outputs: the strided views must cover every (head, dim) of out and lse."""
-    from torch_cute_ops.ops.attention import _packed_gqa_views
+    from torch_cute_ops.runtime.attention import packed_gqa_views
 
     q = torch.randn(2, 1, 32, 128, device="cuda").bfloat16()
     k = torch.randn(2, 300, 8, 128, device="cuda").bfloat16()
     out = torch.full_like(q, float("nan"))
     lse = torch.full((2, 32, 1), float("nan"), device="cuda")
-    q_rows, out_rows, lse_rows = _packed_gqa_views(q, k, out, lse)
+    q_rows, out_rows, lse_rows = packed_gqa_views(q, q.shape[2] // k.shape[2], out, lse)
     from torch_cute_ops.runtime import attention as flash_host
 
     flash_host.launch_fwd(q_rows, k, k, out_rows, lse_rows, 128 ** -0.5, False)

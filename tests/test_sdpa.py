@@ -144,13 +144,13 @@ def test_kernel_band_kinds():
 def test_packed_gqa_views_map_heads_to_rows():
     """Decode's pack-GQA: row r of kv head h in the packed views is query head h * g + r, for q,
     out and lse alike, without copies."""
-    from torch_cute_ops.ops.attention import _packed_gqa_views
+    from torch_cute_ops.runtime.attention import packed_gqa_views
 
     b, h_q, h_kv, d = 2, 8, 2, 16
     q = torch.randn(b, 1, h_q, d)
     k = torch.randn(b, 5, h_kv, d)
     out, lse = torch.randn(b, 1, h_q, d), torch.randn(b, h_q, 1)
-    q_rows, out_rows, lse_rows = _packed_gqa_views(q, k, out, lse)
+    q_rows, out_rows, lse_rows = packed_gqa_views(q, q.shape[2] // k.shape[2], out, lse)
     g = h_q // h_kv
     assert q_rows.shape == out_rows.shape == (b, g, h_kv, d) and lse_rows.shape == (b, h_kv, g)
     for h in range(h_kv):
@@ -159,3 +159,27 @@ def test_packed_gqa_views_map_heads_to_rows():
             assert torch.equal(out_rows[:, r, h], out[:, 0, h * g + r])
             assert torch.equal(lse_rows[:, h, r], lse[:, h * g + r, 0])
     assert q_rows.data_ptr() == q.data_ptr() and out_rows.data_ptr() == out.data_ptr()
+
+
+def test_decode_plan_runs_the_dense_kernel_on_packed_views(monkeypatch):
+    """One query token with GQA: the plan (made once per layout) picks the dense variant and each
+    call hands the kernel the packed views of q, out and lse."""
+    from torch_cute_ops.runtime import attention as flash_host
+
+    calls = []
+    monkeypatch.setattr(flash_host, "get_compiled", lambda spec: (lambda *args: calls.append((spec, args))))
+    monkeypatch.setattr(flash_host, "num_sms", lambda index: 132)
+    monkeypatch.setattr(flash_host, "_unused_counter", lambda index: torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    q, k = torch.randn(2, 1, 8, 64).bfloat16(), torch.randn(2, 300, 2, 64).bfloat16()
+    out, lse = torch.empty_like(q), torch.empty(2, 8, 1)
+    plan = flash_host.plan_fwd(q, k, k, causal=True)
+    plan(q, k, k, out, lse, 0.125)
+    (spec, args), = calls
+    assert spec["causal"] is False and not spec["local"]
+    q_rows, out_rows, lse_rows = args[0], args[3], args[4]
+    assert q_rows.shape == out_rows.shape == (2, 4, 2, 64) and lse_rows.shape == (2, 2, 4)
+    assert q_rows.data_ptr() == q.data_ptr() and out_rows.data_ptr() == out.data_ptr()
+    assert lse_rows.data_ptr() == lse.data_ptr()
+    # with a window the rows would not share the band: no packing
+    assert flash_host.plan_fwd(q, k, k, causal=False, local=True).group == 0

@@ -85,39 +85,19 @@ def _make_fwd_plan(key, q, k, v, causal, local, softcap):
     return _remember(_fwd_plans, key, plan)
 
 
-def _packed_gqa_views(q, k, out, lse):
-    """Decode (one query token) with grouped kv heads: the g query heads of each kv head become
-    g query rows of one kv head, through free strided views of q, out and lse, so a tile holds g
-    rows instead of one and each K/V block serves the whole group. Valid when every row shares
-    the band: dense, or causal (one query sees every key)."""
-    b, _, h_q, d = q.shape
-    h_kv = k.shape[2]
-    g = h_q // h_kv
-    s_b, _, s_h, s_d = q.stride()
-    q_rows = q.as_strided((b, g, h_kv, d), (s_b, s_h, g * s_h, s_d))
-    out_rows = None if out is None else out.as_strided((b, g, h_kv, d), (h_q * d, d, g * d, 1))
-    lse_rows = None if lse is None else lse.as_strided((b, h_kv, g), (h_q, g, 1))
-    return q_rows, out_rows, lse_rows
-
-
 def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0):
     if q.dim() != 4 or k.dim() != 4:
         _validate_qkv(q, k, v)  # the named error
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
-    pack = (q.is_cuda and q.shape[1] == 1 and not local and 0 < k.shape[2] < q.shape[2]
-            and q.shape[2] % k.shape[2] == 0)
-    q_run = _packed_gqa_views(q, k, None, None)[0] if pack else q
-    band_causal = band_causal and not pack
-    key = (*_qkv_key(q_run, k, v), band_causal, local, softcap != 0.0)
+    key = (*_qkv_key(q, k, v), band_causal, local, softcap != 0.0)
     plan = _fwd_plans.get(key, False)
     if plan is False:
-        plan = _make_fwd_plan(key, q_run, k, v, band_causal, local, softcap)
+        plan = _make_fwd_plan(key, q, k, v, band_causal, local, softcap)
     if plan is not None and not isinstance(plan, str):
         reason = pointer_reason(("q", q), ("k", k), ("v", v))
         if reason is None:
             out, lse = _fwd_outputs_like(q)
-            out_run, lse_run = _packed_gqa_views(q, k, out, lse)[1:] if pack else (out, lse)
-            plan(q_run, k, v, out_run, lse_run, softmax_scale, left, right, softcap)
+            plan(q, k, v, out, lse, softmax_scale, left, right, softcap)
             return out, lse
         plan = reason
     if plan is None:

@@ -182,15 +182,31 @@ def _unused_counter(device_index: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------- launch
 
+def packed_gqa_views(q, group: int, out=None, lse=None):
+    """Decode (one query token) with grouped kv heads: the ``group`` query heads of each kv head
+    as ``group`` query rows of one kv head, through free strided views of q (B, 1, H_q, D), out
+    (contiguous, like q) and lse (B, H_q, 1), so a tile holds ``group`` rows instead of one and
+    each K/V block serves the whole group. Valid when every row shares the band: dense, or
+    causal (one query sees every key)."""
+    b, _, h_q, d = q.shape
+    h_kv = h_q // group
+    s_b, _, s_h, s_d = q.stride()
+    q_rows = q.as_strided((b, group, h_kv, d), (s_b, s_h, group * s_h, s_d))
+    out_rows = None if out is None else out.as_strided((b, group, h_kv, d), (h_q * d, d, group * d, 1))
+    lse_rows = None if lse is None else lse.as_strided((b, h_kv, group), (h_q, group, 1))
+    return q_rows, out_rows, lse_rows
+
+
 class FlashFwdLaunch:
-    """The forward of one input layout: writes out (B, S_q, H_q, D) and lse (B, H_q, S_q)."""
+    """The forward of one input layout: writes out (B, S_q, H_q, D) and lse (B, H_q, S_q).
+    ``group`` > 0: the layout is decode with GQA, run through :func:`packed_gqa_views`."""
 
-    __slots__ = ("fn", "dynamic", "device_index", "grid", "no_keys")
+    __slots__ = ("fn", "dynamic", "device_index", "grid", "no_keys", "group")
 
-    def __init__(self, spec: KernelSpec | None, dynamic: bool, device_index: int, grid: int):
+    def __init__(self, spec: KernelSpec | None, dynamic: bool, device_index: int, grid: int, group: int = 0):
         self.fn = None if spec is None else get_compiled(spec)
         self.no_keys = spec is None
-        self.dynamic, self.device_index, self.grid = dynamic, device_index, grid
+        self.dynamic, self.device_index, self.grid, self.group = dynamic, device_index, grid, group
 
     def __call__(self, q, k, v, out, lse, softmax_scale: float, window_left: int = 0, window_right: int = 0,
                  softcap: float = 0.0) -> None:
@@ -198,6 +214,8 @@ class FlashFwdLaunch:
             out.zero_()
             lse.fill_(float("-inf"))
             return
+        if self.group:
+            q, out, lse = packed_gqa_views(q, self.group, out, lse)
         if self.dynamic:
             counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         else:
@@ -219,10 +237,13 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     grid = max_ctas or num_sms(device_index)
     if k.shape[1] == 0:
         return FlashFwdLaunch(None, False, device_index, grid)
+    # one query token with grouped kv heads: the group's heads as rows of one tile, dense band
+    group = q.shape[2] // k.shape[2] if q.shape[1] == 1 and not local and k.shape[2] < q.shape[2] else 0
+    causal = causal and not group
     head_dim = q.shape[-1]
     config = config or config_for(head_dim, causal, k.shape[1] <= SHORT_CAUSAL_KEYS)
     spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=softcap)
-    return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid)
+    return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid, group)
 
 
 class FlashBwdLaunch:
