@@ -7,6 +7,7 @@ import math
 import torch
 
 from .ops import attention as _attention
+from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
 from .ops.direct import dispatcher_free
 
@@ -61,6 +62,31 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
         out, lse = _attention.flash_attn_fwd_impl(*args)
     else:
         out, lse = torch.ops.cute.flash_attn_fwd(*args)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           softmax_scale: float | None = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False):
+    """Attention over packed sequences, FlashAttention's varlen API.
+
+    q is (total_q, heads, head_dim), k and v (total_k, kv_heads, head_dim); sequence ``b`` owns
+    rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, shape (batch + 1,), starting at 0) and is
+    attended on its own: ``causal`` and ``window_size`` align per sequence exactly as in
+    :func:`flash_attn_func`, lengths may be 0 and may differ between q and k. ``max_seqlen_q`` /
+    ``max_seqlen_k`` are at least the longest lengths. With ``return_lse`` also returns the
+    float32 log-sum-exp, shape (heads, total_q).
+    """
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    left, right = _window_bounds(window_size)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), bool(causal),
+            left, right, float(softcap))
+    if dispatcher_free(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        out, lse = _attention_varlen.flash_attn_varlen_fwd_impl(*args)
+    else:
+        out, lse = torch.ops.cute.flash_attn_varlen_fwd(*args)
     return (out, lse) if return_lse else out
 
 

@@ -18,6 +18,8 @@ _HOSTS = {
     ("gemm", "sm100"): ("torch_cute_ops.runtime.gemm", "SM100"),
     ("flash_attn_fwd", "sm90"): ("torch_cute_ops.runtime.attention", None),
     ("flash_attn_bwd", "sm90"): ("torch_cute_ops.runtime.attention", None),
+    ("flash_attn_varlen_fwd", "sm90"): ("torch_cute_ops.runtime.attention", None),
+    ("flash_attn_varlen_bwd", "sm90"): ("torch_cute_ops.runtime.attention", None),
 }
 
 

@@ -18,6 +18,14 @@ SCHEMAS = {
     "flash_attn_bwd": "flash_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
                       "Tensor lse, float softmax_scale, bool causal, SymInt? window_left=None, "
                       "SymInt? window_right=None, float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)",
+    "flash_attn_varlen_fwd": "flash_attn_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+                             "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, "
+                             "bool causal, SymInt? window_left=None, SymInt? window_right=None, "
+                             "float softcap=0.0) -> (Tensor out, Tensor lse)",
+    "flash_attn_varlen_bwd": "flash_attn_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+                             "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+                             "SymInt max_seqlen_k, float softmax_scale, bool causal, SymInt? window_left=None, "
+                             "SymInt? window_right=None, float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)",
 }
 
 # Kernels never take the reference's CPU path, but CPU tensors must work everywhere.

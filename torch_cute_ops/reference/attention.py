@@ -119,3 +119,40 @@ def flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, 
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * softmax_scale
     grads = (dq.to(q.dtype), _reduce_kv(dk, hkv).to(k.dtype), _reduce_kv(dv, hkv).to(v.dtype))
     return tuple(g.contiguous() for g in grads)
+
+
+# --------------------------------------------------------------------------------- varlen
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    """(q rows, k rows) slices of each packed sequence."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+
+
+def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale: float, causal: bool,
+                          window_left=None, window_right=None, softcap: float = 0.0):
+    """Packed sequences: q (total_q, H_q, D), k and v (total_k, H_kv, D), sequence ``b`` owning
+    rows ``cu[b]:cu[b + 1]``; each is attended as its own batch entry (causal and windows aligned
+    per sequence). Returns out (total_q, H_q, D) and lse (H_q, total_q)."""
+    out = q.new_zeros(q.shape)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=compute_dtype(q.dtype), device=q.device)
+    for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if rows_q.stop == rows_q.start:
+            continue
+        o, l = flash_attn_fwd(q[None, rows_q], k[None, rows_k], v[None, rows_k], softmax_scale, causal,
+                              window_left, window_right, softcap)
+        out[rows_q], lse[:, rows_q] = o[0], l[0]
+    return out, lse
+
+
+def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale: float,
+                          causal: bool, window_left=None, window_right=None, softcap: float = 0.0):
+    dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if rows_q.stop == rows_q.start or rows_k.stop == rows_k.start:
+            continue
+        grads = flash_attn_bwd(dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
+                               out[None, rows_q], lse[None, :, rows_q], softmax_scale, causal, window_left,
+                               window_right, softcap)
+        dq[rows_q], dk[rows_k], dv[rows_k] = grads[0][0], grads[1][0], grads[2][0]
+    return dq, dk, dv

@@ -6,12 +6,17 @@ and makes one TVM-FFI call.
 
 Compiled functions (torch-order tensors; the stream is the TVM-FFI env stream):
 
-* forward: ``fn(q, k, v, out, lse, tile_counter, softmax_scale, window_left, window_right,
-  softcap, max_ctas)``, q/k/v/out (B, S, H, D), lse (B, H, S_q) fp32, a 4-byte tile counter for the
-  dynamic schedule;
-* backward: ``fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum,
-  softmax_scale, window_left, window_right, softcap)`` with fp32 workspaces padded to whole
-  query blocks. Soft-capping is a compiled flag with the cap a runtime value.
+* forward: ``fn(q, k, v, out, lse, tile_counter, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, softmax_scale, window_left, window_right, softcap, max_ctas)``, q/k/v/out
+  (B, S, H, D), lse (B, H, S_q) fp32, a 4-byte tile counter for the dynamic schedule;
+* backward: ``fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, cu_seqlens_q,
+  cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap)``
+  with fp32 workspaces padded to whole query blocks. Soft-capping is a compiled flag with the
+  cap a runtime value.
+
+Packed (varlen) variants take the packed tensors with a unit batch, (1, total, H, D) and lse
+(1, H, total), and read each sequence's rows from ``cu_seqlens`` (int32, B + 1); dense variants
+are handed a placeholder there and never read it.
 
 The visible band of keys is one of three compiled kinds (:func:`kernel_band`): dense, causal
 (bottom-right), or local, a (left, right) window whose bounds are runtime arguments, so one
@@ -59,9 +64,10 @@ SHORT_CAUSAL_KEYS = 1024
 
 
 @functools.lru_cache(maxsize=None)
-def config_for(head_dim: int, causal: bool, short: bool = False) -> FwdConfig:
+def config_for(head_dim: int, causal: bool, short: bool = False, packed: bool = False) -> FwdConfig:
     """Tile shapes that fit 227 KB of smem and the register budget (FA3's choices), for
-    ``short`` (at most SHORT_CAUSAL_KEYS keys) or longer sequences."""
+    ``short`` (at most SHORT_CAUSAL_KEYS keys) or longer sequences; ``packed`` (varlen) tiles
+    differ in length whether causal or not."""
     if head_dim <= 64 and not (causal and short):
         tiles = FwdConfig(tile_n=128, num_wg=3, num_stages=2, pingpong=True, separate_o=True)
     elif head_dim <= 128:
@@ -74,7 +80,8 @@ def config_for(head_dim: int, causal: bool, short: bool = False) -> FwdConfig:
     # since that order spreads one head's tiles over time, more heads' K/V stay in L2.
     # Equal tiles run head after head: the CTAs in flight stream the same K/V blocks
     # (H100, D128 S >= 4k, two runs: 4 MiB +2-5% over 16 MiB non-causal, -2-4% causal).
-    return dataclasses.replace(tiles, dynamic_schedule=causal, l2_kv_mib=16 if causal else 4)
+    uneven = causal or packed
+    return dataclasses.replace(tiles, dynamic_schedule=uneven, l2_kv_mib=16 if uneven else 4)
 
 
 def kernel_band(causal: bool, window_left, window_right, seqlen_q: int, seqlen_k: int):
@@ -97,11 +104,12 @@ def kernel_band(causal: bool, window_left, window_right, seqlen_q: int, seqlen_k
 
 
 def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
-             arch: str = "sm_90a", local: bool = False, softcap: bool = False) -> KernelSpec:
-    config = config or config_for(head_dim, causal)
+             arch: str = "sm_90a", local: bool = False, softcap: bool = False,
+             packed: bool = False) -> KernelSpec:
+    config = config or config_for(head_dim, causal, packed=packed)
     # the config is in the key: a new config recompiles
     return KernelSpec.make(FWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
-                           softcap=softcap, config=dataclasses.astuple(config))
+                           softcap=softcap, packed=packed, config=dataclasses.astuple(config))
 
 
 # --------------------------------------------------------------------------- backward tiles
@@ -121,10 +129,10 @@ STAT_PAD = 128  # lse and delta rows are padded to whole query blocks for their 
 
 
 def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False,
-             softcap: bool = False) -> KernelSpec:
+             softcap: bool = False, packed: bool = False) -> KernelSpec:
     tile_m, tile_n, num_stages = BWD_TILES[head_dim]
     return KernelSpec.make(BWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
-                           softcap=softcap, tile=(tile_m, tile_n), stages=num_stages)
+                           softcap=softcap, packed=packed, tile=(tile_m, tile_n), stages=num_stages)
 
 
 def shipped(arch: str) -> list[KernelSpec]:
@@ -176,7 +184,8 @@ def num_sms(device_index: int) -> int:
 
 @functools.cache
 def _unused_counter(device_index: int) -> torch.Tensor:
-    """What a static schedule gets for the tile counter it never reads."""
+    """What a kernel gets for an int32 tensor it never reads: a static schedule's tile counter,
+    a dense variant's cu_seqlens."""
     return torch.empty(1, dtype=torch.int32, device=torch.device("cuda", device_index))
 
 
@@ -216,18 +225,32 @@ class FlashFwdLaunch:
             return
         if self.group:
             q, out, lse = packed_gqa_views(q, self.group, out, lse)
-        if self.dynamic:
-            counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-        else:
-            counter = _unused_counter(self.device_index)
-        self.fn(q, k, v, out, lse, counter, softmax_scale, window_left, window_right, softcap, self.grid)
+        unused = _unused_counter(self.device_index)
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.dynamic else unused
+        self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, softmax_scale, window_left, window_right,
+                softcap, self.grid)
+
+    def packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, out, lse,
+               softmax_scale: float, window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
+        """Varlen: q, k, v, out (total, H, D), lse (H, total_q); the plan's variant is packed."""
+        if self.no_keys:
+            out.zero_()
+            lse.fill_(float("-inf"))
+            return
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        self.fn(q[None], k[None], v[None], out[None], lse[None], counter, cu_seqlens_q, cu_seqlens_k,
+                max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, self.grid)
 
 
 def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
-             max_ctas: int | None = None, local: bool = False, softcap: bool = False) -> FlashFwdLaunch | str | None:
+             max_ctas: int | None = None, local: bool = False, softcap: bool = False,
+             packed: bool = False) -> FlashFwdLaunch | str | None:
     """The forward launch for this layout and band kind (:func:`kernel_band`), the reason no
     kernel covers it, or None when there is nothing to compute. ``config`` and ``max_ctas``
-    override the tiles and the persistent grid (experiments)."""
+    override the tiles and the persistent grid (experiments). ``packed``: varlen q, k, v
+    (total, H, D), called through :meth:`FlashFwdLaunch.packed`."""
+    if packed:
+        q, k, v = q[None], k[None], v[None]
     reason = qkv_coverage_reason("flash_fwd_sm90", q, k, v)
     if reason:
         return reason
@@ -238,21 +261,22 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     if k.shape[1] == 0:
         return FlashFwdLaunch(None, False, device_index, grid)
     # one query token with grouped kv heads: the group's heads as rows of one tile, dense band
-    group = q.shape[2] // k.shape[2] if q.shape[1] == 1 and not local and k.shape[2] < q.shape[2] else 0
+    group = q.shape[2] // k.shape[2] if q.shape[1] == 1 and not (local or packed) and k.shape[2] < q.shape[2] else 0
     causal = causal and not group
     head_dim = q.shape[-1]
-    config = config or config_for(head_dim, causal, k.shape[1] <= SHORT_CAUSAL_KEYS)
-    spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=softcap)
+    config = config or config_for(head_dim, causal, not packed and k.shape[1] <= SHORT_CAUSAL_KEYS, packed)
+    spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=softcap, packed=packed)
     return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid, group)
 
 
 class FlashBwdLaunch:
     """The backward of one input layout: writes dq, dk, dv (preallocated, contiguous)."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "device_index")
 
-    def __init__(self, spec: KernelSpec):
+    def __init__(self, spec: KernelSpec, device_index: int):
         self.fn = get_compiled(spec)
+        self.device_index = device_index
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, window_left: int = 0,
                  window_right: int = 0, softcap: float = 0.0) -> None:
@@ -261,19 +285,41 @@ class FlashBwdLaunch:
         delta = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
         lse_log2 = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
         dq_accum = torch.empty((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
-        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, softmax_scale, window_left,
-                window_right, softcap)
+        unused = _unused_counter(self.device_index)
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, unused, unused, 0, 0,
+                softmax_scale, window_left, window_right, softcap)
+
+    def packed(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+               dq, dk, dv, softmax_scale: float, window_left: int = 0, window_right: int = 0,
+               softcap: float = 0.0) -> None:
+        """Varlen: (total, H, D) tensors, lse (H, total_q). The fp32 workspaces hold each
+        sequence's rows from a multiple of STAT_PAD on (see kernels.common.seqlen)."""
+        total_q, heads, head_dim = q.shape
+        batch = cu_seqlens_q.shape[0] - 1
+        padded = -(-(total_q + batch * STAT_PAD) // STAT_PAD) * STAT_PAD
+        delta = torch.empty((1, heads, padded), dtype=torch.float32, device=q.device)
+        lse_log2 = torch.empty((1, heads, padded), dtype=torch.float32, device=q.device)
+        dq_accum = torch.empty((1, padded, heads, head_dim), dtype=torch.float32, device=q.device)
+        self.fn(dout[None], q[None], k[None], v[None], out[None], lse[None], dq[None], dk[None], dv[None],
+                delta, lse_log2, dq_accum, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, window_left, window_right, softcap)
 
 
-def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False) -> FlashBwdLaunch | str:
+def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False,
+             packed: bool = False) -> FlashBwdLaunch | str:
     """The backward launch for this layout of q, k, v, or the reason no kernel covers it
-    (dout and out, loaded like q, are checked by the op layer)."""
+    (dout and out, loaded like q, are checked by the op layer). ``packed``: varlen q, k, v
+    (total, H, D)."""
+    if packed:
+        q, k, v = q[None], k[None], v[None]
     if min(q.shape[0], q.shape[1], k.shape[1]) == 0:
         return "flash_bwd_sm90 needs non-empty batch and sequences"
     reason = qkv_coverage_reason("flash_bwd_sm90", q, k, v)
     if reason:
         return reason
-    return FlashBwdLaunch(bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal, local=local, softcap=softcap))
+    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    spec = bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal, local=local, softcap=softcap, packed=packed)
+    return FlashBwdLaunch(spec, device_index)
 
 
 def fwd_unsupported_reason(q, k, v, causal: bool) -> str | None:

@@ -49,6 +49,7 @@ from ..common.flash_common import (
     LOG2_E, acc_as_rows_cols, apply_softcap, convert_to_16bit, mask_scores, tiled_wgmma,
     transposed_view,
 )
+from ..common.seqlen import SeqBounds, store_rows
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
@@ -103,12 +104,15 @@ class FlashBwdSm90:
     """The three kernels and their host function for one (dtype, head_dim, causal)."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int,
-                 num_stages: int, local: bool = False, softcap: bool = False):
+                 num_stages: int, local: bool = False, softcap: bool = False, packed: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
         self.local = local  # a (left, right) window, runtime bounds (see flash_common.KeyRange)
         self.softcap = softcap  # soft-capped scores (runtime cap value), d tanh kept per score
+        # varlen: sequences packed along S (see common.seqlen); the fp32 statistics and the dQ
+        # accumulator then live in per-sequence padded rows
+        self.packed = packed
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_stages = num_stages
@@ -155,24 +159,29 @@ class FlashBwdSm90:
     def __call__(self, mdO: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mO: cute.Tensor, mLSE: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mDelta: cute.Tensor, mLSElog2: cute.Tensor,
-                 mdQacc: cute.Tensor, softmax_scale: Float32, window_left: Int32, window_right: Int32,
-                 softcap: Float32, stream):
-        # delta and lse * log2(e) are padded to whole query blocks (pad: 0 and +inf)
-        num_rows = cute.size(mQ.shape[0]) * cute.size(mDelta.shape[2]) * cute.size(mQ.shape[2])
-        self._preprocess_kernel(mO, mdO, mLSE, mDelta, mLSElog2, mdQacc).launch(
-            grid=(cute.ceil_div(num_rows, self.rows_per_cta), 1, 1),
+                 mdQacc: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                 max_seqlen_q: Int32, max_seqlen_k: Int32, softmax_scale: Float32, window_left: Int32,
+                 window_right: Int32, softcap: Float32, stream):
+        # per batch entry: its query rows, padded to whole query blocks for the statistics
+        # (pad: delta 0, lse +inf), and its key rows
+        batch, seqlen_q, padded_q, seqlen_k = mQ.shape[0], mQ.shape[1], mDelta.shape[2], mK.shape[1]
+        if const_expr(self.packed):
+            batch = SeqBounds.num_entries(batch, mCuSeqlensQ, True)
+            seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+            padded_q = cute.ceil_div(max_seqlen_q, _STAT_PAD) * _STAT_PAD
+        heads = cute.size(mQ.shape[2])
+        self._preprocess_kernel(mO, mdO, mLSE, mDelta, mLSElog2, mdQacc, mCuSeqlensQ, mCuSeqlensK).launch(
+            grid=(cute.ceil_div(padded_q * heads, self.rows_per_cta), batch, 1),
             block=[self.row_threads, 1, 1], stream=stream)
-        self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, softmax_scale,
-                          window_left, window_right, softcap, stream)
-        num_rows = cute.size(mQ.shape[0]) * cute.size(mQ.shape[1]) * cute.size(mQ.shape[2])
-        self._postprocess_kernel(mdQacc, mdQ).launch(
-            grid=(cute.ceil_div(num_rows, self.rows_per_cta), 1, 1),
+        self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mCuSeqlensQ, mCuSeqlensK,
+                          batch, seqlen_k, softmax_scale, window_left, window_right, softcap, stream)
+        self._postprocess_kernel(mdQacc, mdQ, mCuSeqlensQ, mCuSeqlensK).launch(
+            grid=(cute.ceil_div(seqlen_q * heads, self.rows_per_cta), batch, 1),
             block=[self.row_threads, 1, 1], stream=stream)
 
     @cute.jit
-    def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, softmax_scale,
-                     window_left, window_right, softcap,
-                     stream):
+    def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mCuSeqlensQ, mCuSeqlensK,
+                     batch, seqlen_k, softmax_scale, window_left, window_right, softcap, stream):
         # (B, S, H, D) -> (S, D, H, B): TMA tiles over (S, D); (B, H, S) -> (S, H, B)
         seq_major = [1, 3, 2, 0]
         mQ, mK, mV, mdO, mdK, mdV, mdQacc = [
@@ -245,11 +254,11 @@ class FlashBwdSm90:
                         + self.tile_m * Float32.width // 8)
         self.kv_bytes = cute.size_in_bytes(self.dtype, sKV_layout)
 
-        grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n),
-                cute.size(mK.shape[2]), cute.size(mK.shape[3]))
+        grid = (cute.ceil_div(seqlen_k, self.tile_n), cute.size(mK.shape[2]), batch)
         self._main_kernel(
             tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_dQ, tma_LSE, tma_Delta,
             gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, gmem_dQ, gmem_LSE, gmem_Delta,
+            mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
             mma_sdp, mma_dkv, mma_dq,
             sQ_layout, sKV_layout, sP_layout, sdS_layout, sdQ_layout, sStat_layout,
             *self._softmax_scales(softmax_scale, softcap), softmax_scale, window_left, window_right, SharedStorage,
@@ -264,25 +273,29 @@ class FlashBwdSm90:
 
     # ---------------------------------------------------------------- pre/postprocess
     @cute.jit
-    def _row_coords(self, num_b, num_s, num_h):
-        """This thread's (b, s, h) row of a (B, S, H, ...) grid (h fastest), its lane in
-        the row's thread group and whether the row exists."""
+    def _row_coords(self, num_h):
+        """This thread's (b, s, h) row (h fastest; the batch entry is the grid's y) and its
+        lane in the row's thread group."""
         tidx = cute.arch.thread_idx()[0]
         row = cute.arch.block_idx()[0] * self.rows_per_cta + tidx // self.threads_per_row
-        h = row % num_h
-        s = (row // num_h) % num_s
-        b = row // (num_h * num_s)
-        return b, s, h, tidx % self.threads_per_row, b < num_b
+        return cute.arch.block_idx()[1], row // num_h, row % num_h, tidx % self.threads_per_row
 
     @cute.kernel
     def _preprocess_kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                           mDelta: cute.Tensor, mLSElog2: cute.Tensor, mdQacc: cute.Tensor):
-        seqlen_q = mO.shape[1]
-        b, s, h, lane, valid = self._row_coords(mO.shape[0], mDelta.shape[2], mO.shape[2])
-        in_seq = valid & (s < seqlen_q)
+                           mDelta: cute.Tensor, mLSElog2: cute.Tensor, mdQacc: cute.Tensor,
+                           mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor):
+        b, s, h, lane = self._row_coords(mO.shape[2])
+        bounds = SeqBounds(b, mO.shape[1], 0, mCuSeqlensQ, mCuSeqlensK, self.packed, _STAT_PAD)
+        padded_q = mDelta.shape[2]
+        if const_expr(self.packed):
+            padded_q = cute.ceil_div(bounds.seqlen_q, _STAT_PAD) * _STAT_PAD
+        in_seq = s < bounds.seqlen_q
+        q_row, q_entry = bounds.q_index(s, b)
+        stat_row, stat_entry = bounds.padded_index(s, b)
         row_sum = Float32(0.0)
         if in_seq:
-            o_row, do_row, acc_row = mO[b, s, h, None], mdO[b, s, h, None], mdQacc[b, s, h, None]
+            o_row, do_row = mO[q_entry, q_row, h, None], mdO[q_entry, q_row, h, None]
+            acc_row = mdQacc[stat_entry, stat_row, h, None]
             zeros = cute.make_rmem_tensor((8,), Float32)
             zeros.fill(0.0)
             for k in cutlass.range_constexpr(self.chunks_per_thread):
@@ -293,21 +306,25 @@ class FlashBwdSm90:
                 cute.autovec_copy(zeros, cute.local_tile(acc_row, (8,), (chunk,)))
         # every lane shuffles, valid row or not: the groups never straddle rows
         total = cute.arch.warp_reduction_sum(row_sum, threads_in_group=self.threads_per_row)
-        if valid:
+        if s < padded_q:
             if lane == 0:
                 # rows past seqlen_q and rows that attend to nothing (lse = -inf) get
                 # lse = +inf, so that P = exp2(S - lse) = 0 there and their gradient is zero
                 lse = Float32(-math.inf)
                 if in_seq:
-                    lse = mLSE[b, h, s]
-                mLSElog2[b, h, s] = cutlass.select_(lse == -math.inf, math.inf, lse * LOG2_E)
-                mDelta[b, h, s] = total
+                    lse = mLSE[q_entry, h, q_row]
+                mLSElog2[stat_entry, h, stat_row] = cutlass.select_(lse == -math.inf, math.inf, lse * LOG2_E)
+                mDelta[stat_entry, h, stat_row] = total
 
     @cute.kernel
-    def _postprocess_kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor):
-        b, s, h, lane, valid = self._row_coords(mdQ.shape[0], mdQ.shape[1], mdQ.shape[2])
-        if valid:
-            acc_row, dq_row = mdQacc[b, s, h, None], mdQ[b, s, h, None]
+    def _postprocess_kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+                            mCuSeqlensK: cute.Tensor):
+        b, s, h, lane = self._row_coords(mdQ.shape[2])
+        bounds = SeqBounds(b, mdQ.shape[1], 0, mCuSeqlensQ, mCuSeqlensK, self.packed, _STAT_PAD)
+        if s < bounds.seqlen_q:
+            q_row, q_entry = bounds.q_index(s, b)
+            acc_row_idx, acc_entry = bounds.padded_index(s, b)
+            acc_row, dq_row = mdQacc[acc_entry, acc_row_idx, h, None], mdQ[q_entry, q_row, h, None]
             for k in cutlass.range_constexpr(self.chunks_per_thread):
                 chunk = lane + k * self.threads_per_row
                 acc = cute.local_tile(acc_row, (8,), (chunk,)).load()
@@ -323,6 +340,8 @@ class FlashBwdSm90:
         mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
         mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor,
         mLSElog2: cute.Tensor, mDelta: cute.Tensor,
+        mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,  # dK, dV as plain gmem: the packed store
+        mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
         mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,  # unused when P stays in registers (swap_sdp)
@@ -359,26 +378,34 @@ class FlashBwdSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        bounds = SeqBounds(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, self.packed, _STAT_PAD)
         group = mQ.shape[2] // mK.shape[2]
-        m_block_min, m_block_max = self._m_block_range(n_block, seqlen_q, seqlen_k, window_left, window_right)
+        m_block_min, m_block_max = self._m_block_range(n_block, bounds.seqlen_q, bounds.seqlen_k,
+                                                       window_left, window_right)
 
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
-            if warp_idx == 0:
-                self._produce((tma_Q, tma_LSE), (tma_dO, tma_Delta), tma_K, tma_V,
-                              (mQ, mLSElog2), (mdO, mDelta), mK, mV, smem,
-                              pipe_kv, pipe_q, pipe_do, n_block, kv_head, batch, group,
-                              m_block_min, m_block_max)
-            elif warp_idx <= 2:
-                self._write_dq(tma_dQ, mdQacc, smem["sdQ"], warp_idx - 1, kv_head, batch, group,
-                               m_block_min, m_block_max)
-        else:
-            cute.arch.setmaxregister_increase(_MMA_REGS)
-            self._consume(mdK, mdV, tma_dK, tma_dV,
-                          mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
-                          scale_log2, cap_scale, softmax_scale, n_block, kv_head, batch, group,
-                          m_block_min, m_block_max, seqlen_q, seqlen_k, window_left, window_right)
+        # a packed grid covers the longest sequence's key blocks: the others' CTAs leave at once
+        if self._block_has_keys(n_block, bounds):
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+                if warp_idx == 0:
+                    self._produce((tma_Q, tma_LSE), (tma_dO, tma_Delta), tma_K, tma_V,
+                                  (mQ, mLSElog2), (mdO, mDelta), mK, mV, smem,
+                                  pipe_kv, pipe_q, pipe_do, n_block, kv_head, batch, group,
+                                  m_block_min, m_block_max, bounds)
+                elif warp_idx <= 2:
+                    self._write_dq(tma_dQ, mdQacc, smem["sdQ"], warp_idx - 1, kv_head, batch, group,
+                                   m_block_min, m_block_max, bounds)
+            else:
+                cute.arch.setmaxregister_increase(_MMA_REGS)
+                self._consume(mdK, mdV, mdK_rows, mdV_rows, tma_dK, tma_dV,
+                              mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
+                              scale_log2, cap_scale, softmax_scale, n_block, kv_head, batch, group,
+                              m_block_min, m_block_max, bounds, window_left, window_right)
+
+    def _block_has_keys(self, n_block, bounds: SeqBounds):
+        if const_expr(self.packed):
+            return n_block * self.tile_n < bounds.seqlen_k
+        return True
 
     @cute.jit
     def _m_block_range(self, n_block: Int32, seqlen_q, seqlen_k, window_left: Int32, window_right: Int32):
@@ -402,14 +429,14 @@ class FlashBwdSm90:
     @cute.jit
     def _produce(self, tma_q, tma_do, tma_K, tma_V, m_q, m_do, mK, mV, smem,
                  pipe_kv, pipe_q, pipe_do, n_block, kv_head, batch, group,
-                 m_block_min, m_block_max):
+                 m_block_min, m_block_max, bounds: SeqBounds):
         """K and V once; then per query block, Q with its lse slice and dO with its delta
         slice (tma_q, m_q: the (tile, stat) atoms and tensors of each stream)."""
         kv_tile = (self.tile_n, self.head_dim)
         state_kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(state_kv)
         for atom, mX, sX in ((tma_K, mK, smem["sK"]), (tma_V, mV, smem["sV"])):
-            gX = cute.local_tile(mX[None, None, kv_head, batch], kv_tile, (n_block, 0))
+            gX = cute.local_tile(bounds.k_rows(mX, kv_head, batch), kv_tile, (n_block, 0))
             tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                                cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
             cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipe_kv.producer_get_barrier(state_kv))
@@ -418,8 +445,8 @@ class FlashBwdSm90:
         state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for g in cutlass.range(group, unroll=1):
             head = kv_head * group + g
-            q_views = self._stream_views(tma_q, m_q, smem["sQ"], smem["sLSE"], head, batch)
-            do_views = self._stream_views(tma_do, m_do, smem["sdO"], smem["sDelta"], head, batch)
+            q_views = self._stream_views(tma_q, m_q, smem["sQ"], smem["sLSE"], head, batch, bounds)
+            do_views = self._stream_views(tma_do, m_do, smem["sdO"], smem["sDelta"], head, batch, bounds)
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 self._load_stage(tma_q, q_views, pipe_q, state_q, m_block)
                 state_q.advance()
@@ -427,12 +454,12 @@ class FlashBwdSm90:
                 state_do.advance()
 
     @cute.jit
-    def _stream_views(self, atoms, tensors, sX, sStat, head, batch):
+    def _stream_views(self, atoms, tensors, sX, sStat, head, batch, bounds: SeqBounds):
         """TMA views (smem stages, gmem blocks) of a (B, S, H, D) tile stream and its
         (B, H, S) per-row statistic, for one head."""
         (tma_X, tma_stat), (mX, mStat) = atoms, tensors
-        gX = cute.local_tile(mX[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
-        gStat = cute.local_tile(mStat[None, head, batch], (self.tile_m,), (None,))
+        gX = cute.local_tile(bounds.q_rows(mX, head, batch), (self.tile_m, self.head_dim), (None, 0))
+        gStat = cute.local_tile(bounds.padded_stat(mStat, head, batch), (self.tile_m,), (None,))
         tXsX, tXgX = cpasync.tma_partition(tma_X, 0, cute.make_layout(1),
                                            cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
         tSsS, tSgS = cpasync.tma_partition(tma_stat, 0, cute.make_layout(1),
@@ -458,10 +485,11 @@ class FlashBwdSm90:
         return [(tScS[r, 0][0], [(r, c) for c in range(cols)]) for r in range(rows)]
 
     @cute.jit
-    def _consume(self, mdK, mdV, tma_dK, tma_dV,
+    def _consume(self, mdK, mdV, mdK_rows, mdV_rows, tma_dK, tma_dV,
                  mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
                  scale_log2, cap_scale, softmax_scale, n_block, kv_head, batch, group,
-                 m_block_min, m_block_max, seqlen_q, seqlen_k, window_left, window_right):
+                 m_block_min, m_block_max, bounds: SeqBounds, window_left, window_right):
+        seqlen_q, seqlen_k = bounds.seqlen_q, bounds.seqlen_k
         tidx = cute.arch.thread_idx()[0] - 128
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         swap = self.swap_sdp
@@ -629,10 +657,11 @@ class FlashBwdSm90:
             state_q.advance()
 
         self._store_dkv(acc_dK, acc_dV, softmax_scale, mma_dkv, sK, sV, tma_dK, tma_dV,
-                        mdK, mdV, tidx, n_block, kv_head, batch)
+                        mdK, mdV, mdK_rows, mdV_rows, tidx, n_block, kv_head, batch, bounds)
 
     @cute.jit
-    def _write_dq(self, tma_dQ, mdQacc, sdQ, wg, kv_head, batch, group, m_block_min, m_block_max):
+    def _write_dq(self, tma_dQ, mdQacc, sdQ, wg, kv_head, batch, group, m_block_min, m_block_max,
+                  bounds: SeqBounds):
         """Writer warp of MMA warpgroup ``wg``: adds each of its dQ tiles to the fp32
         accumulator with one TMA reduce-add, off the warpgroup's critical path."""
         sdQ_wg = cute.group_modes(sdQ[None, None, wg], 0, 2)
@@ -644,7 +673,7 @@ class FlashBwdSm90:
         for block in cutlass.range(num_blocks, unroll=1):
             head = kv_head * group + block // num_m
             m_block = m_block_min + block % num_m
-            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (self.tile_m, self.dq_cols),
+            gdQ = cute.local_tile(bounds.padded_rows(mdQacc, head, batch), (self.tile_m, self.dq_cols),
                                   (m_block, wg))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), sdQ_wg,
                                                    cute.group_modes(gdQ, 0, 2))
@@ -659,7 +688,7 @@ class FlashBwdSm90:
 
     @cute.jit
     def _store_dkv(self, acc_dK, acc_dV, softmax_scale, mma_dkv, sK, sV, tma_dK, tma_dV,
-                   mdK, mdV, tidx, n_block, kv_head, batch):
+                   mdK, mdV, mdK_rows, mdV_rows, tidx, n_block, kv_head, batch, bounds: SeqBounds):
         """dK (times the softmax scale) and dV -> smem (reusing K and V) -> TMA store."""
         acc_dK.store(acc_dK.load() * softmax_scale)
         rdK = _to_dtype(acc_dK, self.dtype)
@@ -673,8 +702,13 @@ class FlashBwdSm90:
         cute.copy(store, store.retile(rdV), store.partition_D(sV))
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
-        if tidx < 32:
-            kv_tile = (self.tile_n, self.head_dim)
+        kv_tile = (self.tile_n, self.head_dim)
+        if const_expr(self.packed):
+            # rows past the sequence belong to the next one: plain stores, row by row
+            for mX, sX in ((mdK_rows, sK), (mdV_rows, sV)):
+                gX = cute.local_tile(bounds.k_rows(mX, kv_head, batch), kv_tile, (n_block, 0))
+                store_rows(sX, gX, bounds.seqlen_k - n_block * self.tile_n, tidx, _NUM_MMA_THREADS)
+        elif tidx < 32:
             for atom, mX, sX in ((tma_dK, mdK, sK), (tma_dV, mdV, sV)):
                 gX = cute.local_tile(mX[None, None, kv_head, batch], kv_tile, (n_block, 0))
                 tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1),
@@ -698,7 +732,7 @@ def build(spec: KernelSpec):
     dtype, head_dim = _DTYPES[spec["dtype"]], spec["head_dim"]
     tile_m, tile_n = spec["tile"]
     kernel = FlashBwdSm90(dtype, head_dim, spec["causal"], tile_m, tile_n, spec["stages"], spec["local"],
-                          spec["softcap"])
+                          spec["softcap"], spec["packed"])
     bhs = lambda: cute.runtime.make_fake_tensor(
         Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
         stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
@@ -710,11 +744,14 @@ def build(spec: KernelSpec):
         Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), head_dim),
         stride_order=(3, 2, 1, 0), assumed_align=16)
     bshd = lambda: _bshd(dtype, head_dim)
+    cu_seqlens = lambda: cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
     fake_args = (
         bshd(), bshd(), bshd(), bshd(), bshd(),  # dout, q, k, v, out
         bhs(),  # lse
         bshd(), bshd(), bshd(),  # dq, dk, dv
-        padded_stat(), padded_stat(), dq_accum, Float32(1.0), Int32(0), Int32(0), Float32(1.0),
+        padded_stat(), padded_stat(), dq_accum,
+        cu_seqlens(), cu_seqlens(), Int32(0), Int32(0),  # packed: cu_seqlens, max_seqlen (q, k)
+        Float32(1.0), Int32(0), Int32(0), Float32(1.0),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return kernel, fake_args

@@ -54,6 +54,7 @@ from ..common.flash_common import (
     tiled_wgmma,
     transposed_view,
 )
+from ..common.seqlen import SeqBounds, store_rows
 
 _CUTE_DTYPE = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
@@ -119,13 +120,15 @@ def _scores_to_p(tOrP, acc_s):
 
 class FlashFwdSm90:
     def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig, local: bool = False,
-                 softcap: bool = False):
+                 softcap: bool = False, packed: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
         # a (left, right) window, both bounds runtime values (causal is the fixed right = 0)
         self.local = local
         self.softcap = softcap  # scores soft-capped before the mask (runtime cap value)
+        # varlen: sequences packed along S, bounded by cu_seqlens (see common.seqlen)
+        self.packed = packed
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
         self.num_wg = config.num_wg
@@ -152,6 +155,10 @@ class FlashFwdSm90:
         mO: cute.Tensor,  # (B, S_q, H_q, D)
         mLSE: cute.Tensor,  # (B, H_q, S_q) fp32
         mTileCounter: cute.Tensor,  # (1,) int32, zero: the dynamic schedule's claims
+        mCuSeqlensQ: cute.Tensor,  # packed: (B + 1,) int32 row offsets; ignored when dense
+        mCuSeqlensK: cute.Tensor,
+        max_seqlen_q: Int32,  # packed: the longest sequences (grid, L2 sections)
+        max_seqlen_k: Int32,
         softmax_scale: Float32,
         window_left: Int32,  # local variants: the band (see KeyRange); ignored otherwise
         window_right: Int32,
@@ -163,6 +170,11 @@ class FlashFwdSm90:
         # (S, D, H, B): TMA tiles modes 0-1, heads and batch index the rest
         mQ, mK, mV, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = _select(mLSE, [2, 1, 0])  # (S_q, H_q, B)
+        # packed: B = 1 and S the total; the sequences' bounds come from cu_seqlens
+        seqlen_q, seqlen_k, batch = mQ.shape[0], mK.shape[0], mQ.shape[3]
+        if const_expr(self.packed):
+            seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+            batch = SeqBounds.num_entries(batch, mCuSeqlensQ, True)
 
         q_layout = _smem_layout(self.dtype, 64, D, self.num_wg)
         k_layout = _smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -206,14 +218,14 @@ class FlashFwdSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(q_layout) if self.separate_o else 0], 1024
             ]
 
-        seqlen_q, num_heads, batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
+        num_heads = mQ.shape[2]
         num_m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
         heads_per_section = AttentionTileScheduler.heads_per_section_for(
-            mK.shape[0], 2 * D * self.dtype.width // 8, num_heads * batch, self.l2_kv_mib << 20
+            seqlen_k, 2 * D * self.dtype.width // 8, num_heads * batch, self.l2_kv_mib << 20
         )
         num_tiles = num_m_blocks * num_heads * batch
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mTileCounter,
+            tma_mQ, tma_mK, tma_mV, tma_mO, mO, mLSE, mTileCounter, mCuSeqlensQ, mCuSeqlensK, batch,
             tma_q, tma_k, tma_v, tma_o,
             tiled_mma_qk, tiled_mma_pv,
             q_layout, k_layout, v_layout,
@@ -242,8 +254,12 @@ class FlashFwdSm90:
         mK: cute.Tensor,
         mV: cute.Tensor,
         mO: cute.Tensor,
+        mO_rows: cute.Tensor,  # O as plain gmem: the packed store
         mLSE: cute.Tensor,
         mTileCounter: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        num_batch: Int32,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -308,8 +324,9 @@ class FlashFwdSm90:
         if const_expr(self.separate_o):
             sO = storage.sO.get_tensor(q_layout.outer, swizzle=q_layout.inner)
 
+        # packed: longest first too, so that the empty blocks of short sequences run last
         scheduler = AttentionTileScheduler(
-            num_m_blocks, mQ.shape[2], mQ.shape[3], heads_per_section, self.causal,
+            num_m_blocks, mQ.shape[2], num_batch, heads_per_section, self.causal or self.packed,
             self.dynamic_schedule,
         )
         tile_source = TileSource(scheduler, pipe_tile, tile_slots, mTileCounter)
@@ -319,21 +336,22 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
-                             pipe_q, pipe_k, pipe_v, tile_source, window_left, window_right)
+                             pipe_q, pipe_k, pipe_v, tile_source, mCuSeqlensQ, mCuSeqlensK,
+                             window_left, window_right)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(mO, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
+            self.consume(mO, mO_rows, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tile_source, scale_log2, cap_scale,
-                         mQ.shape[0], mK.shape[0], window_left, window_right)
+                         mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
 
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
-                pipe_q, pipe_k, pipe_v, tile_source: TileSource, window_left: Int32, window_right: Int32):
+                pipe_q, pipe_k, pipe_v, tile_source: TileSource, mCuSeqlensQ, mCuSeqlensK,
+                window_left: Int32, window_right: Int32):
         D = self.head_dim
         scheduler = tile_source.scheduler
         q_per_kv = mQ.shape[2] // mK.shape[2]
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
@@ -341,41 +359,42 @@ class FlashFwdSm90:
         while scheduler.is_valid(tile):
             m_block, head, batch = scheduler.coords(tile)
             head_kv = head // q_per_kv
-            keys = KeyRange(self.tile_m, self.tile_n, self.causal, m_block, seqlen_q, seqlen_k,
-                            self.local, window_left, window_right)
-            # ((TMA atom), rest) views of the smem stages and the gmem tiles
-            gQ = cute.local_tile(mQ[None, None, head, batch], (64, D), (None, 0))
-            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, D), (None, 0))
-            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, D), (None, 0))
-            tQsQ, tQgQ = self._tma_views(tma_q, sQ, gQ)
-            tKsK, tKgK = self._tma_views(tma_k, sK, gK)
-            tVsV, tVgV = self._tma_views(tma_v, sV, gV)
-            n_min, n_max = keys.n_block_min, keys.n_block_max
-            if n_max > n_min:
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_k, tKgK[None, n_max - 1], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-            pipe_q.producer_acquire(q_state)
-            for w in cutlass.range_constexpr(self.num_wg):
-                cute.copy(tma_q, tQgQ[None, m_block * self.num_wg + w], tQsQ[None, w],
-                          tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            q_state.advance()
-            if n_max > n_min:
-                # K of block n-1 goes before V of block n: the consumers' order
-                for i in cutlass.range(n_max - 1 - n_min, unroll=1):
-                    n = n_max - 1 - i
-                    v_state = kv_state.clone()
-                    kv_state.advance()
+            bounds = SeqBounds(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, self.packed)
+            if self.tile_has_rows(m_block, bounds):
+                keys = self.key_range(m_block, bounds, window_left, window_right)
+                # ((TMA atom), rest) views of the smem stages and the gmem tiles
+                gQ = cute.local_tile(bounds.q_rows(mQ, head, batch), (64, D), (None, 0))
+                gK = cute.local_tile(bounds.k_rows(mK, head_kv, batch), (self.tile_n, D), (None, 0))
+                gV = cute.local_tile(bounds.k_rows(mV, head_kv, batch), (self.tile_n, D), (None, 0))
+                tQsQ, tQgQ = self._tma_views(tma_q, sQ, gQ)
+                tKsK, tKgK = self._tma_views(tma_k, sK, gK)
+                tVsV, tVgV = self._tma_views(tma_v, sV, gV)
+                n_min, n_max = keys.n_block_min, keys.n_block_max
+                if n_max > n_min:
                     pipe_k.producer_acquire(kv_state)
-                    cute.copy(tma_k, tKgK[None, n - 1], tKsK[None, kv_state.index],
+                    cute.copy(tma_k, tKgK[None, n_max - 1], tKsK[None, kv_state.index],
                               tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                    pipe_v.producer_acquire(v_state)
-                    cute.copy(tma_v, tVgV[None, n], tVsV[None, v_state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
-                pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_v, tVgV[None, n_min], tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-                kv_state.advance()
+                pipe_q.producer_acquire(q_state)
+                for w in cutlass.range_constexpr(self.num_wg):
+                    cute.copy(tma_q, tQgQ[None, m_block * self.num_wg + w], tQsQ[None, w],
+                              tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                q_state.advance()
+                if n_max > n_min:
+                    # K of block n-1 goes before V of block n: the consumers' order
+                    for i in cutlass.range(n_max - 1 - n_min, unroll=1):
+                        n = n_max - 1 - i
+                        v_state = kv_state.clone()
+                        kv_state.advance()
+                        pipe_k.producer_acquire(kv_state)
+                        cute.copy(tma_k, tKgK[None, n - 1], tKsK[None, kv_state.index],
+                                  tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                        pipe_v.producer_acquire(v_state)
+                        cute.copy(tma_v, tVgV[None, n], tVsV[None, v_state.index],
+                                  tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                    pipe_v.producer_acquire(kv_state)
+                    cute.copy(tma_v, tVgV[None, n_min], tVsV[None, kv_state.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                    kv_state.advance()
             tile, tile_state = tile_source.produce_next(tile, tile_state)
 
     @staticmethod
@@ -385,12 +404,22 @@ class FlashFwdSm90:
             atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
         )
 
+    def tile_has_rows(self, m_block, bounds: SeqBounds):
+        """Dense tiles always do; a packed schedule covers the longest sequence's blocks."""
+        if const_expr(self.packed):
+            return m_block * self.tile_m < bounds.seqlen_q
+        return True
+
+    def key_range(self, m_block, bounds: SeqBounds, window_left: Int32, window_right: Int32) -> KeyRange:
+        return KeyRange(self.tile_m, self.tile_n, self.causal, m_block, bounds.seqlen_q, bounds.seqlen_k,
+                        self.local, window_left, window_right)
+
     # ------------------------------------------------------------- consumers
     @cute.jit
-    def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
+    def consume(self, mO, mO_rows, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                 pipe_q, pipe_k, pipe_v, tile_source: TileSource,
-                scale_log2: Float32, cap_scale: Float32, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32,
-                window_right: Int32):
+                scale_log2: Float32, cap_scale: Float32, seqlen_q: Int32, seqlen_k: Int32,
+                mCuSeqlensQ, mCuSeqlensK, window_left: Int32, window_right: Int32):
         D = self.head_dim
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -433,69 +462,70 @@ class FlashFwdSm90:
         tile = scheduler.first_tile()
         while scheduler.is_valid(tile):
             m_block, head, batch = scheduler.coords(tile)
-            keys = KeyRange(self.tile_m, self.tile_n, self.causal, m_block, seqlen_q, seqlen_k,
-                            self.local, window_left, window_right)
-            row_start = m_block * self.tile_m + wg * 64
-            mask = partial(mask_scores, tScS=tScS, t0ScS=t0ScS, row_start=m_block * self.tile_m,
-                           seqlen_q=seqlen_q, seqlen_k=seqlen_k, local=self.local, left=window_left,
-                           right=window_right)
-            if const_expr(self.softcap):
-                mask = partial(_capped_mask, mask, cap_scale)
+            bounds = SeqBounds(batch, seqlen_q, seqlen_k, mCuSeqlensQ, mCuSeqlensK, self.packed)
+            if self.tile_has_rows(m_block, bounds):
+                keys = self.key_range(m_block, bounds, window_left, window_right)
+                row_start = m_block * self.tile_m + wg * 64
+                mask = partial(mask_scores, tScS=tScS, t0ScS=t0ScS, row_start=m_block * self.tile_m,
+                               seqlen_q=bounds.seqlen_q, seqlen_k=bounds.seqlen_k, local=self.local, left=window_left,
+                               right=window_right)
+                if const_expr(self.softcap):
+                    mask = partial(_capped_mask, mask, cap_scale)
 
-            softmax.reset()
-            acc_o.fill(0.0)
-            o_scale.fill(1.0)
-            n_min, n_max = keys.n_block_min, keys.n_block_max
-            banded = self.causal or self.local
-            pipe_q.consumer_wait(q_state)
-            if n_max > n_min:
-                # last key block first: it alone may hold keys past seqlen_k
-                pipe_k.consumer_wait(kv_state)
-                acc_s = qk_gemm(kv_state.index, 0)
-                pipe_k.consumer_release(kv_state)
-                mask(acc_s, col_start=(n_max - 1) * self.tile_n, causal=self.causal, mask_seqlen=True)
-                softmax.step(acc_s, is_first=True)
-                to_p(acc_s)
-                # blocks n_max-2 .. n_min, newest first: those crossing the band's right edge
-                # (masked), the inside (no mask), those crossing its left edge (local, masked)
-                right_end = cutlass.max(cutlass.min(keys.n_block_min_masked, n_max - 1), n_min)
-                if const_expr(banded):
-                    for i in cutlass.range(n_max - 1 - right_end, unroll=1):
+                softmax.reset()
+                acc_o.fill(0.0)
+                o_scale.fill(1.0)
+                n_min, n_max = keys.n_block_min, keys.n_block_max
+                banded = self.causal or self.local
+                pipe_q.consumer_wait(q_state)
+                if n_max > n_min:
+                    # last key block first: it alone may hold keys past seqlen_k
+                    pipe_k.consumer_wait(kv_state)
+                    acc_s = qk_gemm(kv_state.index, 0)
+                    pipe_k.consumer_release(kv_state)
+                    mask(acc_s, col_start=(n_max - 1) * self.tile_n, causal=self.causal, mask_seqlen=True)
+                    softmax.step(acc_s, is_first=True)
+                    to_p(acc_s)
+                    # blocks n_max-2 .. n_min, newest first: those crossing the band's right edge
+                    # (masked), the inside (no mask), those crossing its left edge (local, masked)
+                    right_end = cutlass.max(cutlass.min(keys.n_block_min_masked, n_max - 1), n_min)
+                    if const_expr(banded):
+                        for i in cutlass.range(n_max - 1 - right_end, unroll=1):
+                            kv_state = self.overlapped_block(
+                                kv_state, n_max - 2 - i, qk_gemm, pv_gemm, to_p, mask, True,
+                                softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
+                    free_end = n_min
+                    if const_expr(self.local):
+                        free_end = cutlass.max(cutlass.min(keys.n_block_min_unmasked, right_end), n_min)
+                    for i in cutlass.range(right_end - free_end, unroll=1):
                         kv_state = self.overlapped_block(
-                            kv_state, n_max - 2 - i, qk_gemm, pv_gemm, to_p, mask, True,
+                            kv_state, right_end - 1 - i, qk_gemm, pv_gemm, to_p, mask, False,
                             softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
-                free_end = n_min
-                if const_expr(self.local):
-                    free_end = cutlass.max(cutlass.min(keys.n_block_min_unmasked, right_end), n_min)
-                for i in cutlass.range(right_end - free_end, unroll=1):
-                    kv_state = self.overlapped_block(
-                        kv_state, right_end - 1 - i, qk_gemm, pv_gemm, to_p, mask, False,
-                        softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
-                if const_expr(self.local):
-                    for i in cutlass.range(free_end - n_min, unroll=1):
-                        kv_state = self.overlapped_block(
-                            kv_state, free_end - 1 - i, qk_gemm, pv_gemm, to_p, mask, True,
-                            softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
-                # all QK GEMMs are done: with its own O buffer, Q can be refilled now,
-                # under the last P V and the epilogue
-                if const_expr(self.separate_o):
-                    pipe_q.consumer_release(q_state)
-                # the last P V
-                if const_expr(self.rescale_before_pv):
-                    scale_rows(acc_o, o_scale)
-                pipe_v.consumer_wait(kv_state)
-                pv_gemm(kv_state.index, 0)
-                pipe_v.consumer_release(kv_state)
-                kv_state.advance()
-            else:
-                if const_expr(self.separate_o):
-                    pipe_q.consumer_release(q_state)
+                    if const_expr(self.local):
+                        for i in cutlass.range(free_end - n_min, unroll=1):
+                            kv_state = self.overlapped_block(
+                                kv_state, free_end - 1 - i, qk_gemm, pv_gemm, to_p, mask, True,
+                                softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
+                    # all QK GEMMs are done: with its own O buffer, Q can be refilled now,
+                    # under the last P V and the epilogue
+                    if const_expr(self.separate_o):
+                        pipe_q.consumer_release(q_state)
+                    # the last P V
+                    if const_expr(self.rescale_before_pv):
+                        scale_rows(acc_o, o_scale)
+                    pipe_v.consumer_wait(kv_state)
+                    pv_gemm(kv_state.index, 0)
+                    pipe_v.consumer_release(kv_state)
+                    kv_state.advance()
+                else:
+                    if const_expr(self.separate_o):
+                        pipe_q.consumer_release(q_state)
 
-            self.epilogue(acc_o, softmax, mO, mLSE, sO[None, None, wg], tma_o, tiled_mma_pv,
-                          thr_pv, wg, wg_tidx, m_block, head, batch, row_start, seqlen_q)
-            if const_expr(not self.separate_o):
-                pipe_q.consumer_release(q_state)
-            q_state.advance()
+                self.epilogue(acc_o, softmax, mO, mO_rows, mLSE, sO[None, None, wg], tma_o, tiled_mma_pv,
+                              thr_pv, wg, wg_tidx, m_block, head, batch, row_start, bounds)
+                if const_expr(not self.separate_o):
+                    pipe_q.consumer_release(q_state)
+                q_state.advance()
             tile, tile_state = tile_source.consume_next(tile, tile_state)
 
     @cute.jit
@@ -538,8 +568,8 @@ class FlashFwdSm90:
             )
 
     @cute.jit
-    def epilogue(self, acc_o, softmax: OnlineSoftmax, mO, mLSE, sO, tma_o, tiled_mma_pv, thr_pv,
-                 wg, wg_tidx, m_block, head, batch, row_start, seqlen_q):
+    def epilogue(self, acc_o, softmax: OnlineSoftmax, mO, mO_rows, mLSE, sO, tma_o, tiled_mma_pv, thr_pv,
+                 wg, wg_tidx, m_block, head, batch, row_start, bounds: SeqBounds):
         D = self.head_dim
         out_scale, lse = softmax.finalize()
         scale_rows(acc_o, out_scale)
@@ -549,8 +579,9 @@ class FlashFwdSm90:
         if tOcO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = row_start + tOcO[r, 0][0]
-                if row < seqlen_q:
-                    mLSE[row, head, batch] = lse[r]
+                if row < bounds.seqlen_q:
+                    lse_row, entry = bounds.q_index(row, batch)
+                    mLSE[lse_row, head, entry] = lse[r]
 
         # O: registers -> this WG's O slab in smem -> TMA store
         rO = cute.make_rmem_tensor_like(acc_o, self.dtype)
@@ -562,12 +593,17 @@ class FlashFwdSm90:
         cute.copy(thr_store, thr_store.retile(rO), thr_store.partition_D(sO))
         cute.arch.fence_view_async_shared()  # smem writes visible to the TMA unit
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
-        if wg_tidx < 32:
-            gO = cute.local_tile(mO[None, None, head, batch], (64, D), (None, 0))
-            tOsO, tOgO = self._tma_views(tma_o, sO, gO)
-            cute.copy(tma_o, tOsO, tOgO[None, m_block * self.num_wg + wg])
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(self.packed):
+            # rows past the sequence belong to the next one: plain stores, row by row
+            gO = cute.local_tile(bounds.q_rows(mO_rows, head, batch), (64, D), (m_block * self.num_wg + wg, 0))
+            store_rows(sO, gO, bounds.seqlen_q - row_start, wg_tidx, 128)
+        else:
+            if wg_tidx < 32:
+                gO = cute.local_tile(mO[None, None, head, batch], (64, D), (None, 0))
+                tOsO, tOgO = self._tma_views(tma_o, sO, gO)
+                cute.copy(tma_o, tOsO, tOgO[None, m_block * self.num_wg + wg])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         # the slab may be rewritten (next O, or next Q when shared) once the store has read it
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
 
@@ -578,7 +614,9 @@ class FlashFwdSm90:
 def build(spec: KernelSpec):
     dtype = _CUTE_DTYPE[spec["dtype"]]
     head_dim, causal = spec["head_dim"], spec["causal"]
-    kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]), spec["local"], spec["softcap"])
+    packed = spec["packed"]
+    kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]), spec["local"], spec["softcap"],
+                          packed)
 
     def bhsd(elem):
         # (B, S, H, D), any strides but the last; 16-byte aligned rows for TMA
@@ -594,7 +632,9 @@ def build(spec: KernelSpec):
         assumed_align=4,
     )
     counter = cute.runtime.make_fake_compact_tensor(Int32, (1,), assumed_align=4)
+    # cu_seqlens (B + 1,) of a packed variant; a dense one is passed a placeholder it never reads
+    cu_seqlens = lambda: cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, 1.0, Int32(0), Int32(0),
-                 Float32(1.0), 132, stream)
+    fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, cu_seqlens(), cu_seqlens(),
+                 Int32(0), Int32(0), 1.0, Int32(0), Int32(0), Float32(1.0), 132, stream)
     return kernel, fake_args

@@ -1,0 +1,109 @@
+"""Where one batch entry's rows live in the attention tensors: dense or packed (varlen).
+
+Shared by the forward and the backward. Both take q-like tensors as (S, D, H, B) views (TMA
+coordinate tensors or plain gmem) and per-query statistics as (S, H, B):
+
+* dense: (B, S, H, D) inputs; entry ``b`` is index ``b`` of mode B, its S rows all real;
+* packed (FlashAttention's varlen): (1, total, H, D) inputs and ``cu_seqlens`` (B + 1,) int32;
+  entry ``b`` owns rows ``[cu[b], cu[b + 1])``. A kernel sees the entry as an (S, D) slab
+  starting at its first row (a domain offset), so tile arithmetic is the dense one. A tile
+  that runs past the entry's end reads the next entry's rows: keys there are masked by
+  ``seqlen_k``, and query rows there are never stored (no TMA stores past ``seqlen_q``).
+
+The backward's fp32 per-query statistics (lse, delta) and dQ accumulator have a padded copy
+per entry: it starts at ``padded_offset_q``, a multiple of ``pad`` (whole query blocks) with
+room for the entry's last block, so that whole-block loads and reduce-adds never touch
+another entry's rows. With B entries the padded copy has ``total_q + B * pad`` rows.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+from .flash_common import DslState
+
+
+class SeqBounds(DslState):
+    """Rows of batch entry ``batch``: ``offset_q``/``seqlen_q`` of the queries, ``offset_k``/
+    ``seqlen_k`` of the keys, ``padded_offset_q`` of its padded statistics (packed only)."""
+
+    dynamic_fields = ("offset_q", "seqlen_q", "offset_k", "seqlen_k", "padded_offset_q")
+
+    def __init__(self, batch, seqlen_q, seqlen_k, cu_seqlens_q: cute.Tensor = None,
+                 cu_seqlens_k: cute.Tensor = None, packed: bool = False, pad: int = 128):
+        self.packed = packed
+        if const_expr(packed):
+            self.offset_q = cu_seqlens_q[batch]
+            self.seqlen_q = cu_seqlens_q[batch + 1] - self.offset_q
+            self.offset_k = cu_seqlens_k[batch]
+            self.seqlen_k = cu_seqlens_k[batch + 1] - self.offset_k
+            self.padded_offset_q = (self.offset_q + batch * pad) // pad * pad
+        else:
+            self.offset_q, self.offset_k, self.padded_offset_q = Int32(0), Int32(0), Int32(0)
+            self.seqlen_q, self.seqlen_k = Int32(seqlen_q), Int32(seqlen_k)
+
+    @staticmethod
+    def num_entries(dense_batch, cu_seqlens_q: cute.Tensor, packed: bool):
+        return cute.size(cu_seqlens_q.shape[0]) - 1 if const_expr(packed) else dense_batch
+
+    def _slab(self, m: cute.Tensor, offset, head, batch) -> cute.Tensor:
+        if const_expr(self.packed):
+            return cute.domain_offset((offset, 0), m[None, None, head, 0])
+        return m[None, None, head, batch]
+
+    def q_rows(self, m: cute.Tensor, head, batch) -> cute.Tensor:
+        """The (S_q, D) slab of a q-like (S, D, H, B) tensor (q, out, dout, dq)."""
+        return self._slab(m, self.offset_q, head, batch)
+
+    def k_rows(self, m: cute.Tensor, head, batch) -> cute.Tensor:
+        """The (S_k, D) slab of a k-like (S, D, H, B) tensor (k, v, dk, dv)."""
+        return self._slab(m, self.offset_k, head, batch)
+
+    def padded_rows(self, m: cute.Tensor, head, batch) -> cute.Tensor:
+        """The (S, D) slab of the backward's fp32 dQ accumulator (S, D, H, B)."""
+        return self._slab(m, self.padded_offset_q, head, batch)
+
+    def padded_stat(self, m: cute.Tensor, head, batch) -> cute.Tensor:
+        """The (S,) slice of a padded per-query statistic (S, H, B) (lse * log2 e, delta)."""
+        if const_expr(self.packed):
+            return cute.domain_offset((self.padded_offset_q,), m[None, head, 0])
+        return m[None, head, batch]
+
+    def q_index(self, row, batch) -> tuple:
+        """(row, entry) of query ``row`` of this entry in an (S, ..., B) tensor."""
+        if const_expr(self.packed):
+            return self.offset_q + row, 0
+        return row, batch
+
+    def padded_index(self, row, batch) -> tuple:
+        """(row, entry) of query ``row`` in a padded statistic or accumulator."""
+        if const_expr(self.packed):
+            return self.padded_offset_q + row, 0
+        return row, batch
+
+
+@cute.jit
+def store_rows(sX: cute.Tensor, gX: cute.Tensor, num_rows: Int32, tidx: Int32,
+               num_threads: cutlass.Constexpr[int]):
+    """Copy rows ``[0, num_rows)`` of an smem tile (rows, cols) to gmem in 16-byte vectors.
+
+    The store of a packed tile: a TMA store would also write the rows past ``num_rows``,
+    which belong to the next sequence. ``num_threads`` threads, ``tidx`` in [0, num_threads).
+    """
+    rows, cols = cute.size(sX, mode=[0]), cute.size(sX, mode=[1])
+    vec = 128 // sX.element_type.width
+    chunks = cols // vec
+    total = rows * chunks
+    for i in cutlass.range_constexpr((total + num_threads - 1) // num_threads):
+        idx = tidx + i * num_threads
+        r = idx // chunks
+        c = idx - r * chunks
+        in_tile = r < num_rows
+        if const_expr(total % num_threads != 0):
+            in_tile = in_tile & (idx < total)
+        if in_tile:
+            src = cute.local_tile(sX[r, None], (vec,), (c,))
+            dst = cute.local_tile(gX[r, None], (vec,), (c,))
+            dst.store(src.load())

@@ -1,0 +1,244 @@
+"""``cute::flash_attn_varlen_fwd`` / ``_bwd``: packed sequences (FlashAttention's varlen), with autograd.
+
+q is (total_q, H_q, D), k and v (total_k, H_kv, D); sequence ``b`` owns rows
+``cu_seqlens[b]:cu_seqlens[b + 1]`` of each (int32, shape (B + 1,)). Every sequence is attended as
+its own batch entry: causal and windows align per sequence, lengths may be 0, and q and k
+lengths may differ per sequence. lse is (H_q, total_q). ``max_seqlen_q``/``max_seqlen_k`` bound
+the lengths (they size the kernels' grids) and are SymInts: new lengths never recompile.
+
+The contents of cu_seqlens are checked (starts at 0, non-decreasing, ends at the totals, no
+sequence longer than its max_seqlen) in eager mode, once per cu_seqlens tensor and version:
+the check reads the tensor back, so it is skipped while a CUDA graph is captured and under
+tracing, where the values do not exist yet.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..reference import attention as reference
+from ..runtime.attention import kernel_band, pointer_reason
+from ..runtime.tma import tma_reason
+from . import checks, dispatch, fallback
+from .attention import INPUT_DTYPES, MAX_HEAD_DIM, _remember, _validate_softcap
+from .schemas import lib, qualname, register_impl
+
+_LAYOUT = "(total_seqlen, heads, head_dim)"
+
+
+def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.require_rank(name, t, (3,), _LAYOUT)
+    checks.require_dtype("q", q, INPUT_DTYPES)
+    checks.require_same_dtype("k", k, "q", q)
+    checks.require_same_dtype("v", v, "q", q)
+    _, heads_q, head_dim = q.shape
+    checks.require_dim("k", k, 2, head_dim, "head_dim, as in q")
+    checks.require_dim("v", v, 0, k.shape[0], "total_k, as in k")
+    checks.require_dim("v", v, 1, k.shape[1], "kv heads, as in k")
+    checks.require_dim("v", v, 2, head_dim, "head_dim, as in q (a different v head dim is not supported)")
+    if k.shape[1] == 0 or heads_q % k.shape[1]:
+        raise ValueError(f"k: the number of kv heads ({k.shape[1]}) must divide the number of "
+                         f"query heads ({heads_q}) (GQA/MQA)")
+    if not 0 < head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"q: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32:
+            raise ValueError(f"{name}: expected dtype torch.int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name}: expected shape (batch + 1,), got {tuple(cu.shape)}")
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.shape[0]} entries (batch + 1, as in "
+                         f"cu_seqlens_q), got {cu_seqlens_k.shape[0]}")
+    checks.require_same_device([("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+                                ("cu_seqlens_k", cu_seqlens_k)])
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value < 0:
+            raise ValueError(f"{name}: expected a length >= 0, got {value}")
+
+
+# id(cu_seqlens) -> (weak reference, version, longest sequence) of tensors whose contents passed
+_checked: dict[int, tuple] = {}
+
+
+def _can_read_values(*tensors) -> bool:
+    if any(type(t) is not torch.Tensor for t in tensors) or torch.compiler.is_compiling():
+        return False
+    return not (tensors[0].is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _check_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str) -> None:
+    """The contents of one cu_seqlens (read back once per tensor version)."""
+    entry = _checked.get(id(cu))
+    if entry is None or entry[0]() is not cu or entry[1] != cu._version:
+        values = cu.tolist()
+        if values[0] != 0:
+            raise ValueError(f"{name}: must start at 0, got {values[0]}")
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"{name}: must be non-decreasing (sequence lengths >= 0), got {values}")
+        if values[-1] != total:
+            raise ValueError(f"{name}: the last entry ({values[-1]}) must equal the packed length ({total})")
+        if len(_checked) >= 1024:
+            _checked.clear()
+        entry = _checked[id(cu)] = (weakref.ref(cu), cu._version, max(lengths, default=0))
+    if entry[2] > max_seqlen:
+        raise ValueError(f"{max_name}: {max_seqlen} is shorter than the longest sequence ({entry[2]})")
+
+
+def _check_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    if _can_read_values(cu_seqlens_q, cu_seqlens_k):
+        _check_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+        _check_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+
+
+def _layout_key(*tensors):
+    return tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
+# ---------------------------------------------------------------------------------- forward
+
+def _fwd_outputs_like(q):
+    total, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((heads, total), dtype=reference.compute_dtype(q.dtype))
+
+
+_fwd_plans: dict[tuple, object] = {}
+
+
+def _make_fwd_plan(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, local, softcap):
+    """Validate (raises on invalid input) and decide the kernel for one layout and band kind, once."""
+    _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _validate_softcap(softcap)
+    plan = "cpu"
+    if q.is_cuda:
+        host = dispatch.kernel_for("flash_attn_varlen_fwd", q.device)
+        plan = host if isinstance(host, str) else host.plan_fwd(
+            q, k, v, causal, local=local, softcap=softcap != 0.0, packed=True)
+    return _remember(_fwd_plans, key, plan)
+
+
+def flash_attn_varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                               causal, window_left=None, window_right=None, softcap=0.0):
+    if q.dim() != 3 or k.dim() != 3 or min(max_seqlen_q, max_seqlen_k) < 0:
+        _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)  # the named error
+    band_causal, local, left, right = kernel_band(causal, window_left, window_right, max_seqlen_q, max_seqlen_k)
+    key = (*_layout_key(q, k, v, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap != 0.0)
+    plan = _fwd_plans.get(key, False)
+    if plan is False:
+        plan = _make_fwd_plan(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, band_causal,
+                              local, softcap)
+    _check_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if plan is not None and not isinstance(plan, str):
+        reason = pointer_reason(("q", q), ("k", k), ("v", v))
+        if reason is None:
+            out, lse = _fwd_outputs_like(q)
+            plan.packed(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), out, lse,
+                        softmax_scale, left, right, softcap)
+            return out, lse
+        plan = reason
+    if plan is None:  # nothing to compute
+        return _fwd_outputs_like(q)
+    if plan != "cpu":
+        fallback.note("flash_attn_varlen_fwd", plan)
+    return reference.flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
+                                           window_left, window_right, softcap)
+
+
+register_impl("flash_attn_varlen_fwd", flash_attn_varlen_fwd_impl)
+
+
+@torch.library.register_fake(qualname("flash_attn_varlen_fwd"), lib=lib)
+def _flash_attn_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                causal, window_left=None, window_right=None, softcap=0.0):
+    _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _validate_softcap(softcap)
+    return _fwd_outputs_like(q)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, *band = inputs
+    out, lse = output
+    ctx.max_seqlens, ctx.softmax_scale, ctx.causal, ctx.band = (max_q, max_k), softmax_scale, causal, tuple(band)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cute.flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.max_seqlens,
+                                                      ctx.softmax_scale, ctx.causal, *ctx.band)
+    return (dq, dk, dv) + (None,) * (6 + len(ctx.band))
+
+
+torch.library.register_autograd(qualname("flash_attn_varlen_fwd"), _fwd_backward,
+                                setup_context=_fwd_setup_context, lib=lib)
+
+
+# --------------------------------------------------------------------------------- backward
+
+def _validate_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    for name, t in (("dout", dout), ("out", out)):
+        checks.require_same_dtype(name, t, "q", q)
+        if t.shape != q.shape:
+            raise ValueError(f"{name}: expected shape {tuple(q.shape)} (the shape of q), got {tuple(t.shape)}")
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise ValueError(f"lse: expected shape {(q.shape[1], q.shape[0])} (heads_q, total_q), got {tuple(lse.shape)}")
+    checks.require_dtype("lse", lse, (reference.compute_dtype(q.dtype),))
+    checks.require_same_device([("q", q), ("dout", dout), ("out", out), ("lse", lse)])
+
+
+_bwd_plans: dict[tuple, object] = {}
+
+
+def _make_bwd_plan(key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                   local, softcap):
+    _validate_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _validate_softcap(softcap)
+    plan = "cpu"
+    if q.is_cuda:
+        host = dispatch.kernel_for("flash_attn_varlen_bwd", q.device)
+        plan = host if isinstance(host, str) else (
+            tma_reason("dout", dout, (2,), check_pointer=False)
+            or tma_reason("out", out, (2,), check_pointer=False)
+            or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, packed=True))
+    return _remember(_bwd_plans, key, plan)
+
+
+def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, window_left=None, window_right=None, softcap=0.0):
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    if q.dim() != 3 or k.dim() != 3 or min(max_seqlen_q, max_seqlen_k) < 0:
+        _validate_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    band_causal, local, left, right = kernel_band(causal, window_left, window_right, max_seqlen_q, max_seqlen_k)
+    key = (*_layout_key(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap != 0.0)
+    plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                 max_seqlen_q, max_seqlen_k, band_causal, local, softcap)
+    if not isinstance(plan, str):
+        reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
+        if reason is None:
+            dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+            dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+            dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+            plan.packed(dout, q, k, v, out, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                        int(max_seqlen_k), dq, dk, dv, softmax_scale, left, right, softcap)
+            return dq, dk, dv
+        plan = reason
+    if plan != "cpu":
+        fallback.note("flash_attn_varlen_bwd", plan)
+    return reference.flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale,
+                                           causal, window_left, window_right, softcap)
+
+
+register_impl("flash_attn_varlen_bwd", _flash_attn_varlen_bwd)
+
+
+@torch.library.register_fake(qualname("flash_attn_varlen_bwd"), lib=lib)
+def _flash_attn_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                softmax_scale, causal, window_left=None, window_right=None, softcap=0.0):
+    _validate_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _validate_softcap(softcap)
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))
