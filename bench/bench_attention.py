@@ -1,6 +1,8 @@
 """Attention forward / backward speed: our CuTe kernels vs SDPA (cuDNN, flash) and FA4.
 
     python bench/bench_attention.py [--backward] [--quick] [--rounds N] [--out DIR]
+    python bench/bench_attention.py --varlen [bench_varlen.py's options]   # packed sequences vs FA4
+    python bench/bench_attention.py --window [bench_window.py's options]   # sliding window vs FA4
 
 Grid: FlashAttention-3's (16k tokens in total, hidden 2048, head dims 64/128/256,
 seqlen 512..16k, causal and not), which holds every attention shape of the
@@ -21,6 +23,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -286,6 +289,14 @@ def save(rows: list[Row], providers, backward: bool, out_dir: str) -> None:
 
 
 def main() -> None:
+    for flag, module in (("--varlen", "bench_varlen"), ("--window", "bench_window")):
+        if flag in sys.argv[1:]:  # the packed / windowed benchmarks, with their own options
+            sys.argv.remove(flag)
+            import importlib
+
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            importlib.import_module(module).main()
+            return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backward", action="store_true", help="time dq, dk, dv given dO")
     parser.add_argument("--quick", action="store_true", help="seqlen 1k/4k/16k only")

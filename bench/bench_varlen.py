@@ -17,14 +17,13 @@ import argparse
 import itertools
 import json
 import random
-import statistics
 import sys
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.interleave import time_fwd_bwd  # noqa: E402
 
 
 def packed_lengths(tokens: int, lo: int, hi: int, seed: int = 0) -> list[int]:
@@ -90,16 +89,7 @@ def main() -> None:
         calls["fa4"] = lambda: first(fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
                                          max_seqlen_k=max_len, causal=causal, window_size=fa4_window))
     tco.ops.fallback.reset()
-    times = {f"{name} {kind}": [] for name in calls for kind in ("fwd", "bwd")}
-    outs = {name: fn() for name, fn in calls.items()}
-    for _ in range(args.rounds):
-        for name, fn in calls.items():
-            with torch.no_grad():
-                times[f"{name} fwd"].append(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-            out = outs[name]
-            grad = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
-            times[f"{name} bwd"].append(do_bench(grad, warmup=25, rep=100, return_mode="median"))
-    ms = {key: statistics.median(values) for key, values in times.items()}
+    ms, outs = time_fwd_bwd(calls, (q, k, v), dout, args.rounds)
     flops = 4 * visible_pairs(lens, causal, args.window) * args.heads * args.head_dim
     ref = outs.get("fa4")
     err = None if ref is None else ((outs["tco"].float() - ref.float()).norm() / ref.float().norm()).item()

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.interleave import time_fwd_bwd  # noqa: E402
 
 
 def main() -> None:
@@ -63,16 +62,7 @@ def main() -> None:
     if fa4 is not None:
         calls["fa4 window"] = lambda: first(fa4(q, k, v, causal=True, window_size=window))
     tco.ops.fallback.reset()
-    times = {f"{name} {kind}": [] for name in calls for kind in ("fwd", "bwd")}
-    outs = {name: fn() for name, fn in calls.items()}
-    for _ in range(args.rounds):
-        for name, fn in calls.items():
-            with torch.no_grad():
-                times[f"{name} fwd"].append(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-            out = outs[name]
-            grad = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
-            times[f"{name} bwd"].append(do_bench(grad, warmup=25, rep=100, return_mode="median"))
-    ms = {key: statistics.median(values) for key, values in times.items()}
+    ms, outs = time_fwd_bwd(calls, (q, k, v), dout, args.rounds)
     ref = outs.get("fa4 window")
     err = None if ref is None else ((outs["tco window"].float() - ref.float()).norm() / ref.float().norm()).item()
     print(f"{torch.cuda.get_device_name()}: B{args.batch} S{args.seqlen} H{args.heads} D{args.head_dim}, "

@@ -19,26 +19,35 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
 
 
-def _validate_qkv(q, k, v) -> None:
-    layout = "(batch, seqlen, heads, head_dim)"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.require_rank(name, t, (4,), layout)
+def validate_qkv_common(q, k, v, layout: str) -> None:
+    """What every attention layout asks of q, k, v (q's rank checked by the caller): k and v of
+    q's rank, one dtype and device, v shaped like k, equal head dims, whole GQA groups. The
+    sequence, heads and head_dim are the last three axes."""
+    for name, t in (("k", k), ("v", v)):
+        checks.require_rank(name, t, (q.dim(),), layout)
     checks.require_dtype("q", q, INPUT_DTYPES)
     checks.require_same_dtype("k", k, "q", q)
     checks.require_same_dtype("v", v, "q", q)
     checks.require_same_device([("q", q), ("k", k), ("v", v)])
-    batch, _, heads_q, head_dim = q.shape
-    checks.require_dim("k", k, 0, batch, "batch, as in q")
-    checks.require_dim("k", k, 3, head_dim, "head_dim, as in q")
-    checks.require_dim("v", v, 0, batch, "batch, as in q")
-    checks.require_dim("v", v, 1, k.shape[1], "seqlen_k, as in k")
-    checks.require_dim("v", v, 2, k.shape[2], "kv heads, as in k")
-    checks.require_dim("v", v, 3, head_dim, "head_dim, as in q (a different v head dim is not supported)")
-    if k.shape[2] == 0 or heads_q % k.shape[2]:
-        raise ValueError(f"k: the number of kv heads ({k.shape[2]}) must divide the number of "
+    seq, heads, dim = q.dim() - 3, q.dim() - 2, q.dim() - 1
+    heads_q, head_dim = q.shape[heads], q.shape[dim]
+    checks.require_dim("k", k, dim, head_dim, "head_dim, as in q")
+    checks.require_dim("v", v, seq, k.shape[seq], "seqlen_k, as in k")
+    checks.require_dim("v", v, heads, k.shape[heads], "kv heads, as in k")
+    checks.require_dim("v", v, dim, head_dim, "head_dim, as in q (a different v head dim is not supported)")
+    if k.shape[heads] == 0 or heads_q % k.shape[heads]:
+        raise ValueError(f"k: the number of kv heads ({k.shape[heads]}) must divide the number of "
                          f"query heads ({heads_q}) (GQA/MQA)")
     if not 0 < head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"q: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+
+
+def _validate_qkv(q, k, v) -> None:
+    layout = "(batch, seqlen, heads, head_dim)"
+    checks.require_rank("q", q, (4,), layout)
+    validate_qkv_common(q, k, v, layout)
+    checks.require_dim("k", k, 0, q.shape[0], "batch, as in q")
+    checks.require_dim("v", v, 0, q.shape[0], "batch, as in q")
 
 
 def _validate_softcap(softcap) -> None:

@@ -22,28 +22,15 @@ from ..reference import attention as reference
 from ..runtime.attention import kernel_band, pointer_reason
 from ..runtime.tma import tma_reason
 from . import checks, dispatch, fallback
-from .attention import INPUT_DTYPES, MAX_HEAD_DIM, _remember, _validate_softcap
+from .attention import _remember, _validate_softcap, validate_qkv_common
 from .schemas import lib, qualname, register_impl
 
 _LAYOUT = "(total_seqlen, heads, head_dim)"
 
 
 def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.require_rank(name, t, (3,), _LAYOUT)
-    checks.require_dtype("q", q, INPUT_DTYPES)
-    checks.require_same_dtype("k", k, "q", q)
-    checks.require_same_dtype("v", v, "q", q)
-    _, heads_q, head_dim = q.shape
-    checks.require_dim("k", k, 2, head_dim, "head_dim, as in q")
-    checks.require_dim("v", v, 0, k.shape[0], "total_k, as in k")
-    checks.require_dim("v", v, 1, k.shape[1], "kv heads, as in k")
-    checks.require_dim("v", v, 2, head_dim, "head_dim, as in q (a different v head dim is not supported)")
-    if k.shape[1] == 0 or heads_q % k.shape[1]:
-        raise ValueError(f"k: the number of kv heads ({k.shape[1]}) must divide the number of "
-                         f"query heads ({heads_q}) (GQA/MQA)")
-    if not 0 < head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"q: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    checks.require_rank("q", q, (3,), _LAYOUT)
+    validate_qkv_common(q, k, v, _LAYOUT)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != torch.int32:
             raise ValueError(f"{name}: expected dtype torch.int32, got {cu.dtype}")
