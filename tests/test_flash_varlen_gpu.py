@@ -79,7 +79,7 @@ def _run(case, dtype=torch.bfloat16):
 
     out = torch.full_like(q, float("nan"))
     lse = torch.full((h_q, q.shape[0]), float("nan"), device="cuda")
-    plan = flash_host.plan_fwd(q, k, v, band_causal, local=local, softcap=softcap != 0.0, packed=True)
+    plan = flash_host.plan_fwd(q, k, v, band_causal, local=local, softcap=softcap != 0.0, rows="packed")
     assert not isinstance(plan, str), plan
     plan.packed(q, k, v, cu_q, cu_k, max_q, max_k, out, lse, scale, lo, hi, softcap)
     torch.cuda.synchronize()
@@ -91,7 +91,7 @@ def _run(case, dtype=torch.bfloat16):
     assert (out.float()[empty.t()] == 0).all()
 
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    bwd = flash_host.plan_bwd(q, k, v, band_causal, local, softcap != 0.0, packed=True)
+    bwd = flash_host.plan_bwd(q, k, v, band_causal, local, softcap != 0.0, rows="packed")
     assert not isinstance(bwd, str), bwd
     bwd.packed(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *grads, scale, lo, hi, softcap)
     torch.cuda.synchronize()
@@ -141,3 +141,44 @@ def test_public_api_autograd_and_compile_without_recompiles():
                 _close(name, g, r, 2e-2)
         frames.append(counter.frame_count)
     assert frames[0] > 0 and frames[-1] == frames[0], f"compiled frames after each packing: {frames}"
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, causal, window_left, softcap, key ranges)
+PADDED_CASES = [
+    (4, 300, 300, 8, 2, True, None, 0.0, [(0, 300), (0, 129), (171, 300), (300, 300)]),   # right, left, empty
+    (3, 1, 1000, 8, 2, True, None, 0.0, [(0, 1000), (377, 1000), (999, 1000)]),         # decode, left padding
+    (2, 64, 700, 4, 4, True, 100, 0.0, [(0, 700), (200, 700)]),                          # chunked prefill, window
+    (2, 257, 257, 4, 1, False, None, 30.0, [(13, 257), (0, 200)]),                       # bidirectional, softcap
+]
+
+
+@pytest.mark.parametrize("case", PADDED_CASES, ids=[f"b{c[0]}-{c[1]}x{c[2]}-h{c[3]}/{c[4]}" for c in PADDED_CASES])
+def test_padded_batch_forward_and_backward(case):
+    """A padded batch through key_start/key_end: entry b's real keys [start, end), queries aligned
+    bottom-right; rows that are not real give 0 (forward) and zero gradients."""
+    import torch_cute_ops as tco
+
+    batch, s_q, s_k, h_q, h_kv, causal, left, softcap, ranges = case
+    gen = torch.Generator(device="cuda").manual_seed(s_q + s_k)
+    rand = lambda s, h: torch.randn(batch, s, h, 128, device="cuda", generator=gen).bfloat16()  # noqa: E731
+    q, k, v, dout = rand(s_q, h_q), rand(s_k, h_kv), rand(s_k, h_kv), rand(s_q, h_q)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    start = torch.tensor([r[0] for r in ranges], dtype=torch.int32, device="cuda")
+    end = torch.tensor([r[1] for r in ranges], dtype=torch.int32, device="cuda")
+    window = (-1 if left is None else left, 0 if causal else -1)
+    tco.ops.fallback.reset()
+    out, lse = tco.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, return_lse=True,
+                                   key_start=start, key_end=end)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert not tco.fallback_counts()
+    from torch_cute_ops.reference.attention import flash_attn_fwd as dense_ref
+
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = dense_ref(qf, kf, vf, 128 ** -0.5, causal, left, None, softcap, start, end)
+    ref_grads = torch.autograd.grad(ref_out, (qf, kf, vf), dout.float())
+    _close("out", out, ref_out, 2e-2)
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty)
+    _close("lse", lse[~empty], ref_lse[~empty], 1e-3)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        _close(name, g, r, 3e-2)

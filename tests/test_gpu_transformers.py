@@ -1,7 +1,8 @@
 """attn_implementation="cute" on the GPU: small transformers models with random weights run
 every attention layer on the kernels, eager and under torch.compile(fullgraph=True), with
-attn_implementation="sdpa"'s loss and gradient norms; generate() decodes; padded batches take
-PyTorch's masked path, visibly. Kernels are identified by CUDA kernel name."""
+attn_implementation="sdpa"'s loss and gradient norms; padded batches (either side) run on the
+kernels too; generate() decodes (batched with left padding too); masks with holes take PyTorch's
+masked path, visibly. Kernels are identified by CUDA kernel name."""
 
 import pytest
 import torch
@@ -73,10 +74,35 @@ def test_every_attention_layer_runs_on_the_kernels(kind, compiled):
     assert abs(norm - ref_norm) < 0.05 * ref_norm, (norm, ref_norm)
 
 
-def test_padded_batch_is_correct_and_counted():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_batch_runs_on_the_kernels(side, compiled):
     ids = ids_batch(1)
     mask = torch.ones_like(ids)
-    mask[1, 200:] = 0
+    if side == "right":
+        mask[1, 200:] = 0
+    else:
+        mask[1, :100] = 0
+    reference = build("llama", "sdpa")
+    ref_loss, ref_norm = loss_and_grad_norm(reference, reference, ids, mask)
+    model = build("llama", "cute")
+    forward = torch.compile(model, fullgraph=True) if compiled else model
+    torch._dynamo.reset()
+    tco.ops.fallback.reset()
+    loss_and_grad_norm(forward, model, ids, mask)  # warm-up (compiles)
+    result = []
+    ran = kernels_run(lambda: result.append(loss_and_grad_norm(forward, model, ids, mask)))
+    (loss, norm), = result
+    assert ran == {"flash_fwd", "flash_bwd"}, f"attention did not run on the kernels: {ran}"
+    assert not tco.fallback_counts(), tco.fallback_counts()
+    assert abs(loss - ref_loss) < 0.02 * abs(ref_loss) and abs(norm - ref_norm) < 0.05 * ref_norm, \
+        (loss, ref_loss, norm, ref_norm)
+
+
+def test_mask_with_holes_is_correct_and_counted():
+    ids = ids_batch(1)
+    mask = torch.ones_like(ids)
+    mask[1, 100:150] = 0
     reference = build("llama", "sdpa")
     ref_loss, ref_norm = loss_and_grad_norm(reference, reference, ids, mask)
     model = build("llama", "cute")
@@ -100,3 +126,16 @@ def test_generate_prefills_and_decodes_on_the_kernels(kind):
     assert torch.equal(ours[:, :60], ref[:, :60])
     assert not tco.fallback_counts()
 
+
+def test_batched_generate_with_left_padding_runs_on_the_kernels():
+    model = build("llama", "cute").eval()
+    reference = build("llama", "sdpa").eval()
+    ids = ids_batch(3, bsz=2, seqlen=40)
+    mask = torch.ones_like(ids)
+    mask[0, :15] = 0  # left padding, as generation pads
+    tco.ops.fallback.reset()
+    with torch.no_grad():
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        ref = reference.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(ours[:, :46], ref[:, :46])
+    assert not tco.fallback_counts()

@@ -1,7 +1,8 @@
 """attn_implementation="cute" for transformers models, on CPU (the kernels' reference path):
 the registration, the mask function's contract, and models that match transformers' own eager
 attention -- causal (Llama), sliding window (Qwen2), soft-capping + window (Gemma 2), padded
-batches (PyTorch's masked path, counted as a fallback)."""
+batches on either side (the ops' key ranges, no fallback), masks with holes (PyTorch's masked
+path, counted as a fallback)."""
 
 import pytest
 import torch
@@ -69,16 +70,43 @@ def test_models_match_transformers_eager_attention(kind):
     assert not tco.fallback_counts()
 
 
-def test_padded_batch_takes_the_masked_path_and_says_so():
+def test_key_range_of_a_padding_mask():
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [0, 1, 1, 0, 0]])
+    start, end = cute_hf.key_range(mask, 5)
+    assert start.dtype == end.dtype == torch.int32
+    assert start.tolist() == [0, 2, 0, 5, 1] and end.tolist() == [3, 5, 5, 5, 3]
+    start, end = cute_hf.key_range(mask, 3)  # the last kv_length columns
+    assert start.tolist() == [0, 0, 0, 3, 0] and end.tolist() == [1, 3, 3, 3, 1]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_batch_runs_on_the_ops_without_a_mask(side):
     ids = torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(2, 19, dtype=torch.long)
-    mask[0, 12:] = 0
-    for kind in ("llama", "qwen2"):  # (transformers' own eager Gemma 2 gives NaN on right padding)
-        ref = loss_of(build(kind, "eager"), ids, mask)
+    if side == "right":
+        mask[0, 12:] = 0
+    else:
+        mask[0, :7] = 0
+    for kind in ("llama", "qwen2", "gemma2"):
+        # transformers' eager attention gives NaN on rows that see no key (left padding): compare
+        # with its SDPA attention, which guards those rows
+        ref = loss_of(build(kind, "sdpa"), ids, mask)
+        assert ref.isfinite()
         tco.ops.fallback.reset()
         ours = loss_of(build(kind, "cute"), ids, mask)
-        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)  # eager upcasts softmax to fp32
-        assert [op for op, _ in tco.fallback_counts()] == ["transformers attention"]
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+        assert not tco.fallback_counts()
+
+
+def test_mask_with_holes_takes_the_masked_path_and_says_so():
+    ids = torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 19, dtype=torch.long)
+    mask[1, 5:8] = 0  # a hole: two runs of real tokens
+    ref = loss_of(build("llama", "eager"), ids, mask)
+    tco.ops.fallback.reset()
+    ours = loss_of(build("llama", "cute"), ids, mask)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    assert [op for op, _ in tco.fallback_counts()] == ["transformers attention"]
 
 
 def test_generate_decodes_with_the_cache():

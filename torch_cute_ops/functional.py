@@ -45,7 +45,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    return_lse: bool = False):
+                    return_lse: bool = False, *, key_start: torch.Tensor | None = None,
+                    key_end: torch.Tensor | None = None):
     """Attention over (batch, seqlen, heads, head_dim) tensors, FlashAttention's API.
 
     GQA/MQA when k and v have fewer heads than q. ``causal`` is aligned bottom-right when
@@ -53,12 +54,18 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     ``i + S_k - S_q - left <= j <= i + S_k - S_q + right`` (-1: unbounded; causal is
     right = 0). ``softcap > 0`` caps each scaled score at ``softcap * tanh(s / softcap)``. With
     ``return_lse`` also returns the float32 log-sum-exp (batch, heads, seqlen_q).
+
+    ``key_start``/``key_end`` (an extension; int32, shape (batch,)) make a padded batch: entry b's
+    real keys are ``key_start[b] <= j < key_end[b]``, its queries aligned with the keys
+    bottom-right; query rows outside the range give 0 (padding on either side, no copies).
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     left, right = _window_bounds(window_size)
     args = (q, k, v, float(softmax_scale), bool(causal), left, right, float(softcap))
-    if dispatcher_free(q, k, v):
+    if key_start is not None or key_end is not None:
+        args += (key_start, key_end)
+    if dispatcher_free(q, k, v, key_start, key_end):
         out, lse = _attention.flash_attn_fwd_impl(*args)
     else:
         out, lse = torch.ops.cute.flash_attn_fwd(*args)

@@ -14,11 +14,17 @@ is padding to honour, else None. The attention function then serves
   logit soft-capping, on the same kernels;
 * decode and chunked prefill against a KV cache (S_q < S_k): causal is aligned bottom-right, as
   the models need;
-* padded batches, attention dropout in training, and ``output_attentions`` on PyTorch's masked
-  path, counted and logged once as fallbacks (``TORCH_CUTE_OPS_STRICT=1`` raises instead).
+* padded batches (left or right padding: one run of real tokens per row) on the same kernels,
+  each entry bounded by its first and one-past-last real key (``flash_attn_func``'s
+  ``key_start``/``key_end``): no mask is materialized, no token is copied, padding costs nothing;
+* masks with holes (more than one run of real tokens in a row), attention dropout in training,
+  and ``output_attentions`` on PyTorch's masked path, counted and logged once as fallbacks
+  (``TORCH_CUTE_OPS_STRICT=1`` raises instead).
 
-Under ``torch.compile(fullgraph=True)`` the unpadded path stays in the graph: the mask function
-never inspects mask values while tracing (a provided 2-D mask is passed on as is).
+Under ``torch.compile(fullgraph=True)`` everything above stays in the graph: the key ranges are
+computed from the 2-D mask with tensor ops, and the mask function never inspects mask values
+while tracing (it cannot see holes there: a compiled model must pad on one side, as tokenizers
+and collators do).
 """
 
 from __future__ import annotations
@@ -41,13 +47,34 @@ NAME = "cute"
 
 def cute_mask(batch_size, cache_position, kv_length, kv_offset=0, mask_function=None, attention_mask=None,
               **kwargs):
-    """The 2-D (batch, kv_length) padding mask when some key is padding, else None."""
+    """The 2-D (batch, kv_length) padding mask when some key is padding, else None; in eager mode
+    a mask with holes is materialized (4-D, by transformers' SDPA mask) for the masked path."""
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
-    if not torch.compiler.is_compiling() and bool(attention_mask.all()):
+    if torch.compiler.is_compiling():
+        return attention_mask
+    real = attention_mask.bool()
+    runs = real[:, :1].sum(1) + (real[:, 1:] & ~real[:, :-1]).sum(1)  # runs of real tokens per row
+    everything, one_run = torch.stack([real.all(), (runs <= 1).all()]).tolist()  # one sync
+    if everything:
         return None
+    if not one_run:
+        from transformers.masking_utils import sdpa_mask
+
+        return sdpa_mask(batch_size=batch_size, cache_position=cache_position, kv_length=kv_length,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                         **kwargs)
     return attention_mask
+
+
+def key_range(padding_mask: torch.Tensor, kv_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key_start, key_end), int32 (batch,): the run of real keys in each row of a 2-D padding
+    mask (tensor ops only: no host sync, traceable)."""
+    real = padding_mask[:, -kv_length:].bool()
+    count = real.sum(1, dtype=torch.int32)
+    start = (real.cumsum(1) == 0).sum(1, dtype=torch.int32)  # the padding before the run
+    return start, start + count
 
 
 def _window(sliding_window, causal: bool) -> tuple[int, int]:
@@ -100,16 +127,18 @@ def cute_attention_forward(module, query, key, value, attention_mask, dropout: f
     if not module.training:
         dropout = 0.0
     reason = None
-    if attention_mask is not None:
-        reason = "padded batch (the varlen path is not wired in yet)" if attention_mask.dim() == 2 else \
-            "a materialized 4-D mask"
+    if attention_mask is not None and attention_mask.dim() != 2:
+        reason = "a materialized 4-D mask (a padding mask with holes, or a custom mask)"
     elif dropout > 0.0:
         reason = "attention dropout"
     elif kwargs.get("output_attentions"):
         reason = "output_attentions"
     if reason is None:
+        bounds = {}
+        if attention_mask is not None:  # a padded batch: each row's run of real keys
+            bounds = dict(zip(("key_start", "key_end"), key_range(attention_mask, key.shape[-2])))
         out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                              softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap)
+                              softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap, **bounds)
         return out, None
     fallback.note("transformers attention", reason)
     if attention_mask is not None and attention_mask.dim() == 4:  # a custom mask: honour it as given

@@ -1,8 +1,10 @@
 """``cute::flash_attn_fwd`` / ``cute::flash_attn_bwd`` in the (B, S, H, D) layout, with autograd.
 
-Semantics (GQA, bottom-right causal, windows, softcap, empty rows, lse) are those of
-``torch_cute_ops.reference.attention``. The window bounds are SymInts (None: unbounded), so a
+Semantics (GQA, bottom-right causal, windows, softcap, empty rows, lse, padded entries) are those
+of ``torch_cute_ops.reference.attention``. The window bounds are SymInts (None: unbounded), so a
 window that depends on sequence lengths (PyTorch's top-left causal) never specializes a graph.
+``key_start``/``key_end`` (int32, (B,)) make a padded batch: entry b's real keys are
+``[key_start[b], key_end[b])``, so padding on either side costs no mask and no copy.
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ def _validate_qkv(q, k, v) -> None:
     checks.require_dim("v", v, 0, q.shape[0], "batch, as in q")
 
 
+def _validate_key_range(q, key_start, key_end) -> None:
+    if (key_start is None) != (key_end is None):
+        raise ValueError("key_start, key_end: give both (a padded batch) or neither")
+    if key_start is None:
+        return
+    for name, t in (("key_start", key_start), ("key_end", key_end)):
+        if t.dtype != torch.int32 or t.shape != (q.shape[0],):
+            raise ValueError(f"{name}: expected an int32 tensor of shape ({q.shape[0]},) (batch), "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    checks.require_same_device([("q", q), ("key_start", key_start), ("key_end", key_end)])
+
+
 def _validate_softcap(softcap) -> None:
     if not softcap >= 0.0 or softcap == float("inf"):
         raise ValueError(f"softcap: expected a finite value >= 0 (0 = off), got {softcap}")
@@ -82,62 +96,78 @@ def _fwd_outputs_like(q):
 _fwd_plans: dict[tuple, object] = {}
 
 
-def _make_fwd_plan(key, q, k, v, causal, local, softcap):
+def _make_fwd_plan(key, q, k, v, causal, local, softcap, key_start, key_end):
     """Validate (raises on invalid input) and decide the kernel for one layout and band kind,
     once: a launch, None when there is nothing to compute, or the reason no kernel covers it."""
     _validate_qkv(q, k, v)
     _validate_softcap(softcap)
+    _validate_key_range(q, key_start, key_end)
     plan = "cpu"
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_fwd", q.device)
-        plan = host if isinstance(host, str) else host.plan_fwd(q, k, v, causal, local=local, softcap=softcap != 0.0)
+        rows = "dense" if key_start is None else "padded"
+        plan = host if isinstance(host, str) else host.plan_fwd(q, k, v, causal, local=local,
+                                                                softcap=softcap != 0.0, rows=rows)
     return _remember(_fwd_plans, key, plan)
 
 
-def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0):
+def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0,
+                        key_start=None, key_end=None):
     if q.dim() != 4 or k.dim() != 4:
         _validate_qkv(q, k, v)  # the named error
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
-    key = (*_qkv_key(q, k, v), band_causal, local, softcap != 0.0)
+    padded = key_start is not None
+    key = (*_qkv_key(q, k, v), band_causal, local, softcap != 0.0, padded,
+           padded and (key_start.shape, key_start.dtype, key_start.device),
+           key_end is not None and (key_end.shape, key_end.dtype, key_end.device))
     plan = _fwd_plans.get(key, False)
     if plan is False:
-        plan = _make_fwd_plan(key, q, k, v, band_causal, local, softcap)
+        plan = _make_fwd_plan(key, q, k, v, band_causal, local, softcap, key_start, key_end)
     if plan is not None and not isinstance(plan, str):
         reason = pointer_reason(("q", q), ("k", k), ("v", v))
         if reason is None:
             out, lse = _fwd_outputs_like(q)
-            plan(q, k, v, out, lse, softmax_scale, left, right, softcap)
+            if padded:
+                plan.padded(q, k, v, key_start, key_end, out, lse, softmax_scale, left, right, softcap)
+            else:
+                plan(q, k, v, out, lse, softmax_scale, left, right, softcap)
             return out, lse
         plan = reason
     if plan is None:
         return _fwd_outputs_like(q)
     if plan != "cpu":
         fallback.note("flash_attn_fwd", plan)
-    return reference.flash_attn_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap)
+    return reference.flash_attn_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                                    key_start, key_end)
 
 
 register_impl("flash_attn_fwd", flash_attn_fwd_impl)
 
 
 @torch.library.register_fake(qualname("flash_attn_fwd"), lib=lib)
-def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0):
+def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0,
+                         key_start=None, key_end=None):
     _validate_qkv(q, k, v)
     _validate_softcap(softcap)
+    _validate_key_range(q, key_start, key_end)
     return _fwd_outputs_like(q)
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, *band = inputs
+    q, k, v, softmax_scale, causal, *rest = inputs
+    band, key_range = tuple(rest[:3]), tuple(rest[3:])
     out, lse = output
-    ctx.softmax_scale, ctx.causal, ctx.band = softmax_scale, causal, tuple(band)
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale, ctx.causal, ctx.band = softmax_scale, causal, band
+    ctx.num_key_range = len(key_range)
+    ctx.save_for_backward(q, k, v, out, lse, *key_range)
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.cute.flash_attn_bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, *ctx.band)
-    return (dq, dk, dv, None, None) + (None,) * len(ctx.band)
+    q, k, v, out, lse, *key_range = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cute.flash_attn_bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, *ctx.band,
+                                               *key_range)
+    return (dq, dk, dv, None, None) + (None,) * (len(ctx.band) + ctx.num_key_range)
 
 
 torch.library.register_autograd(qualname("flash_attn_fwd"), _fwd_backward,
@@ -162,41 +192,51 @@ def _validate_bwd(dout, q, k, v, out, lse) -> None:
 _bwd_plans: dict[tuple, object] = {}
 
 
-def _make_bwd_plan(key, dout, q, k, v, out, lse, causal, local, softcap):
+def _make_bwd_plan(key, dout, q, k, v, out, lse, causal, local, softcap, key_start, key_end):
     _validate_bwd(dout, q, k, v, out, lse)
     _validate_softcap(softcap)
+    _validate_key_range(q, key_start, key_end)
     plan = "cpu"
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_bwd", q.device)
+        rows = "dense" if key_start is None else "padded"
         plan = host if isinstance(host, str) else (
             tma_reason("dout", dout, (3,), check_pointer=False)
-            or tma_reason("out", out, (3,), check_pointer=False) or host.plan_bwd(q, k, v, causal, local, softcap != 0.0))
+            or tma_reason("out", out, (3,), check_pointer=False)
+            or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows=rows))
     return _remember(_bwd_plans, key, plan)
 
 
 def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=None, window_right=None,
-                    softcap=0.0):
+                    softcap=0.0, key_start=None, key_end=None):
     # the backward's autograd hands over whatever layout the loss produced
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     if q.dim() != 4 or k.dim() != 4:
         _validate_bwd(dout, q, k, v, out, lse)  # the named error
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
     key = (*_qkv_key(q, k, v), dout.shape, dout.stride(), dout.dtype, out.shape, out.stride(), out.dtype,
-           lse.shape, lse.dtype, lse.device, band_causal, local, softcap != 0.0)
-    plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, band_causal, local, softcap)
+           lse.shape, lse.dtype, lse.device, band_causal, local, softcap != 0.0,
+           key_start is not None and (key_start.shape, key_start.dtype, key_start.device),
+           key_end is not None and (key_end.shape, key_end.dtype, key_end.device))
+    plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, band_causal, local, softcap,
+                                                 key_start, key_end)
     if not isinstance(plan, str):
         reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
             dq = torch.empty_like(q, memory_format=torch.contiguous_format)
             dk = torch.empty_like(k, memory_format=torch.contiguous_format)
             dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-            plan(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, softmax_scale, left, right, softcap)
+            if key_start is not None:
+                plan.padded(dout, q, k, v, out, lse.contiguous(), key_start, key_end, dq, dk, dv, softmax_scale,
+                            left, right, softcap)
+            else:
+                plan(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, softmax_scale, left, right, softcap)
             return dq, dk, dv
         plan = reason
     if plan != "cpu":
         fallback.note("flash_attn_bwd", plan)
     return reference.flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-                                    softcap)
+                                    softcap, key_start, key_end)
 
 
 register_impl("flash_attn_bwd", _flash_attn_bwd)
@@ -204,7 +244,8 @@ register_impl("flash_attn_bwd", _flash_attn_bwd)
 
 @torch.library.register_fake(qualname("flash_attn_bwd"), lib=lib)
 def _flash_attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left=None, window_right=None,
-                         softcap=0.0):
+                         softcap=0.0, key_start=None, key_end=None):
     _validate_bwd(dout, q, k, v, out, lse)
     _validate_softcap(softcap)
+    _validate_key_range(q, key_start, key_end)
     return tuple(t.new_empty(t.shape) for t in (q, k, v))

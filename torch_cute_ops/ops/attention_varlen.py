@@ -103,7 +103,7 @@ def _make_fwd_plan(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_varlen_fwd", q.device)
         plan = host if isinstance(host, str) else host.plan_fwd(
-            q, k, v, causal, local=local, softcap=softcap != 0.0, packed=True)
+            q, k, v, causal, local=local, softcap=softcap != 0.0, rows="packed")
     return _remember(_fwd_plans, key, plan)
 
 
@@ -191,7 +191,7 @@ def _make_bwd_plan(key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max
         plan = host if isinstance(host, str) else (
             tma_reason("dout", dout, (2,), check_pointer=False)
             or tma_reason("out", out, (2,), check_pointer=False)
-            or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, packed=True))
+            or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows="packed"))
     return _remember(_bwd_plans, key, plan)
 
 

@@ -13,6 +13,10 @@ Semantics shared with every attention kernel:
   the softmax (FlashAttention's soft-capping, Gemma 2's logits), with its gradient.
 * A query row that attends to nothing (S_k < S_q under causal, or outside every window) has
   output 0 and ``lse = -inf``; its gradients are 0.
+* A padded batch (``key_start``/``key_end``, int32 (B,)): entry ``b``'s real keys are
+  ``[key_start[b], key_end[b])``; query ``i`` sits at key position ``i + S_k - S_q`` and is real
+  iff that position is in the range. Keys outside it are never seen, and query rows that are
+  not real have output 0, ``lse = -inf`` and zero gradients.
 * ``lse`` is the natural-log log-sum-exp of the scaled scores, shape (B, H_q, S_q), float32
   (float64 when the inputs are float64, so that gradcheck can verify the backward).
 
@@ -67,7 +71,17 @@ def _reduce_kv(grad: torch.Tensor, num_heads_kv: int) -> torch.Tensor:
     return grad.view(b, s, num_heads_kv, h // num_heads_kv, d).sum(dim=3)
 
 
-def _scores(q, k, softmax_scale, causal, window_left, window_right, softcap):
+def key_range_mask(seqlen_q: int, seqlen_k: int, key_start, key_end) -> torch.Tensor:
+    """(B, 1, S_q, S_k): True where both key j and query i of entry b are real (a padded batch)."""
+    j = torch.arange(seqlen_k, device=key_start.device)
+    i = torch.arange(seqlen_q, device=key_start.device) + (seqlen_k - seqlen_q)
+    start, end = key_start[:, None].long(), key_end[:, None].long()
+    keys = (j >= start) & (j < end)
+    queries = (i >= start) & (i < end)
+    return (queries[:, :, None] & keys[:, None, :])[:, None]
+
+
+def _scores(q, k, softmax_scale, causal, window_left, window_right, softcap, key_start=None, key_end=None):
     """Masked (soft-capped) scaled scores (B, H_q, S_q, S_k), and d(capped)/d(scaled) or None."""
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
     dcap = None
@@ -78,13 +92,16 @@ def _scores(q, k, softmax_scale, causal, window_left, window_right, softcap):
     visible = band_mask(q.shape[1], k.shape[1], q.device, *band(causal, window_left, window_right))
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
+    if key_start is not None:
+        scores = scores.masked_fill(~key_range_mask(q.shape[1], k.shape[1], key_start, key_end), float("-inf"))
     return scores, dcap
 
 
-def _probabilities(q, k, softmax_scale, causal, lse=None, window_left=None, window_right=None, softcap=0.0):
+def _probabilities(q, k, softmax_scale, causal, lse=None, window_left=None, window_right=None, softcap=0.0,
+                   key_start=None, key_end=None):
     """Scaled scores' softmax P (B, H_q, S_q, S_k) in the compute dtype, lse, and the softcap's
     derivative (None without one)."""
-    scores, dcap = _scores(q, k, softmax_scale, causal, window_left, window_right, softcap)
+    scores, dcap = _scores(q, k, softmax_scale, causal, window_left, window_right, softcap, key_start, key_end)
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
     # rows with no key have lse = -inf: subtract 0 there so P is exp(-inf) = 0, not NaN
@@ -93,22 +110,24 @@ def _probabilities(q, k, softmax_scale, causal, lse=None, window_left=None, wind
 
 
 def flash_attn_fwd(q, k, v, softmax_scale: float, causal: bool, window_left=None, window_right=None,
-                   softcap: float = 0.0):
+                   softcap: float = 0.0, key_start=None, key_end=None):
     acc = compute_dtype(q.dtype)
     hq = q.shape[2]
     qf, kf, vf = q.to(acc), _expand_kv(k.to(acc), hq), _expand_kv(v.to(acc), hq)
-    p, lse, _ = _probabilities(qf, kf, softmax_scale, causal, None, window_left, window_right, softcap)
+    p, lse, _ = _probabilities(qf, kf, softmax_scale, causal, None, window_left, window_right, softcap,
+                               key_start, key_end)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vf)
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 def flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, window_left=None,
-                   window_right=None, softcap: float = 0.0):
+                   window_right=None, softcap: float = 0.0, key_start=None, key_end=None):
     acc = compute_dtype(q.dtype)
     hq, hkv = q.shape[2], k.shape[2]
     qf, kf, vf = q.to(acc), _expand_kv(k.to(acc), hq), _expand_kv(v.to(acc), hq)
     dof, of = dout.to(acc), out.to(acc)
-    p, _, dcap = _probabilities(qf, kf, softmax_scale, causal, lse.to(acc), window_left, window_right, softcap)
+    p, _, dcap = _probabilities(qf, kf, softmax_scale, causal, lse.to(acc), window_left, window_right, softcap,
+                                key_start, key_end)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
     dp = torch.einsum("bqhd,bkhd->bhqk", dof, vf)
     delta = (dof * of).sum(-1).transpose(1, 2)  # D = rowsum(dO * O), (B, H_q, S_q)

@@ -15,8 +15,9 @@ Compiled functions (torch-order tensors; the stream is the TVM-FFI env stream):
   cap a runtime value.
 
 Packed (varlen) variants take the packed tensors with a unit batch, (1, total, H, D) and lse
-(1, H, total), and read each sequence's rows from ``cu_seqlens`` (int32, B + 1); dense variants
-are handed a placeholder there and never read it.
+(1, H, total), and read each sequence's rows from ``cu_seqlens`` (int32, B + 1). Padded variants
+take dense tensors and, in the cu_seqlens slots, the first and one-past-last real key of each
+entry (int32, B). Dense variants are handed a placeholder there and never read it.
 
 The visible band of keys is one of three compiled kinds (:func:`kernel_band`): dense, causal
 (bottom-right), or local, a (left, right) window whose bounds are runtime arguments, so one
@@ -64,10 +65,10 @@ SHORT_CAUSAL_KEYS = 1024
 
 
 @functools.lru_cache(maxsize=None)
-def config_for(head_dim: int, causal: bool, short: bool = False, packed: bool = False) -> FwdConfig:
+def config_for(head_dim: int, causal: bool, short: bool = False, ragged: bool = False) -> FwdConfig:
     """Tile shapes that fit 227 KB of smem and the register budget (FA3's choices), for
-    ``short`` (at most SHORT_CAUSAL_KEYS keys) or longer sequences; ``packed`` (varlen) tiles
-    differ in length whether causal or not."""
+    ``short`` (at most SHORT_CAUSAL_KEYS keys) or longer sequences; ``ragged`` (packed or padded
+    batch entries) tiles differ in length whether causal or not."""
     if head_dim <= 64 and not (causal and short):
         tiles = FwdConfig(tile_n=128, num_wg=3, num_stages=2, pingpong=True, separate_o=True)
     elif head_dim <= 128:
@@ -80,7 +81,7 @@ def config_for(head_dim: int, causal: bool, short: bool = False, packed: bool = 
     # since that order spreads one head's tiles over time, more heads' K/V stay in L2.
     # Equal tiles run head after head: the CTAs in flight stream the same K/V blocks
     # (H100, D128 S >= 4k, two runs: 4 MiB +2-5% over 16 MiB non-causal, -2-4% causal).
-    uneven = causal or packed
+    uneven = causal or ragged
     return dataclasses.replace(tiles, dynamic_schedule=uneven, l2_kv_mib=16 if uneven else 4)
 
 
@@ -105,11 +106,11 @@ def kernel_band(causal: bool, window_left, window_right, seqlen_q: int, seqlen_k
 
 def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
              arch: str = "sm_90a", local: bool = False, softcap: bool = False,
-             packed: bool = False) -> KernelSpec:
-    config = config or config_for(head_dim, causal, packed=packed)
+             rows: str = "dense") -> KernelSpec:
+    config = config or config_for(head_dim, causal, ragged=rows != "dense")
     # the config is in the key: a new config recompiles
     return KernelSpec.make(FWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
-                           softcap=softcap, packed=packed, config=dataclasses.astuple(config))
+                           softcap=softcap, rows=rows, config=dataclasses.astuple(config))
 
 
 # --------------------------------------------------------------------------- backward tiles
@@ -129,10 +130,10 @@ STAT_PAD = 128  # lse and delta rows are padded to whole query blocks for their 
 
 
 def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False,
-             softcap: bool = False, packed: bool = False) -> KernelSpec:
+             softcap: bool = False, rows: str = "dense") -> KernelSpec:
     tile_m, tile_n, num_stages = BWD_TILES[head_dim]
     return KernelSpec.make(BWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
-                           softcap=softcap, packed=packed, tile=(tile_m, tile_n), stages=num_stages)
+                           softcap=softcap, rows=rows, tile=(tile_m, tile_n), stages=num_stages)
 
 
 def shipped(arch: str) -> list[KernelSpec]:
@@ -230,6 +231,18 @@ class FlashFwdLaunch:
         self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, softmax_scale, window_left, window_right,
                 softcap, self.grid)
 
+    def padded(self, q, k, v, key_start, key_end, out, lse, softmax_scale: float, window_left: int = 0,
+               window_right: int = 0, softcap: float = 0.0) -> None:
+        """A padded batch: entry b's real keys are [key_start[b], key_end[b]) (int32, B); the plan's
+        variant is padded. Rows that are not real get output 0 and lse -inf."""
+        out.zero_()
+        lse.fill_(float("-inf"))
+        if self.no_keys:
+            return
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        self.fn(q, k, v, out, lse, counter, key_start, key_end, 0, 0, softmax_scale, window_left, window_right,
+                softcap, self.grid)
+
     def packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, out, lse,
                softmax_scale: float, window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
         """Varlen: q, k, v, out (total, H, D), lse (H, total_q); the plan's variant is packed."""
@@ -244,11 +257,13 @@ class FlashFwdLaunch:
 
 def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
              max_ctas: int | None = None, local: bool = False, softcap: bool = False,
-             packed: bool = False) -> FlashFwdLaunch | str | None:
+             rows: str = "dense") -> FlashFwdLaunch | str | None:
     """The forward launch for this layout and band kind (:func:`kernel_band`), the reason no
     kernel covers it, or None when there is nothing to compute. ``config`` and ``max_ctas``
-    override the tiles and the persistent grid (experiments). ``packed``: varlen q, k, v
-    (total, H, D), called through :meth:`FlashFwdLaunch.packed`."""
+    override the tiles and the persistent grid (experiments). ``rows``: "dense", "packed"
+    (varlen q, k, v (total, H, D), called through :meth:`FlashFwdLaunch.packed`) or "padded"
+    (called through :meth:`FlashFwdLaunch.padded`)."""
+    packed = rows == "packed"
     if packed:
         q, k, v = q[None], k[None], v[None]
     reason = qkv_coverage_reason("flash_fwd_sm90", q, k, v)
@@ -261,11 +276,12 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     if k.shape[1] == 0:
         return FlashFwdLaunch(None, False, device_index, grid)
     # one query token with grouped kv heads: the group's heads as rows of one tile, dense band
-    group = q.shape[2] // k.shape[2] if q.shape[1] == 1 and not (local or packed) and k.shape[2] < q.shape[2] else 0
+    dense = rows == "dense"
+    group = q.shape[2] // k.shape[2] if q.shape[1] == 1 and dense and not local and k.shape[2] < q.shape[2] else 0
     causal = causal and not group
     head_dim = q.shape[-1]
-    config = config or config_for(head_dim, causal, not packed and k.shape[1] <= SHORT_CAUSAL_KEYS, packed)
-    spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=softcap, packed=packed)
+    config = config or config_for(head_dim, causal, not packed and k.shape[1] <= SHORT_CAUSAL_KEYS, not dense)
+    spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=softcap, rows=rows)
     return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid, group)
 
 
@@ -289,6 +305,20 @@ class FlashBwdLaunch:
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, unused, unused, 0, 0,
                 softmax_scale, window_left, window_right, softcap)
 
+    def padded(self, dout, q, k, v, out, lse, key_start, key_end, dq, dk, dv, softmax_scale: float,
+               window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
+        """A padded batch (see :meth:`FlashFwdLaunch.padded`): rows that are not real get zero
+        gradients. Each entry's statistics start at its first real query, in its own slot."""
+        batch, seqlen_q, heads, head_dim = q.shape
+        padded = -(-seqlen_q // STAT_PAD) * STAT_PAD
+        delta = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
+        lse_log2 = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
+        dq_accum = torch.empty((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
+        for grad in (dq, dk, dv):
+            grad.zero_()
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, key_start, key_end, 0, 0,
+                softmax_scale, window_left, window_right, softcap)
+
     def packed(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                dq, dk, dv, softmax_scale: float, window_left: int = 0, window_right: int = 0,
                softcap: float = 0.0) -> None:
@@ -306,11 +336,10 @@ class FlashBwdLaunch:
 
 
 def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False,
-             packed: bool = False) -> FlashBwdLaunch | str:
+             rows: str = "dense") -> FlashBwdLaunch | str:
     """The backward launch for this layout of q, k, v, or the reason no kernel covers it
-    (dout and out, loaded like q, are checked by the op layer). ``packed``: varlen q, k, v
-    (total, H, D)."""
-    if packed:
+    (dout and out, loaded like q, are checked by the op layer). ``rows`` as in :func:`plan_fwd`."""
+    if rows == "packed":
         q, k, v = q[None], k[None], v[None]
     if min(q.shape[0], q.shape[1], k.shape[1]) == 0:
         return "flash_bwd_sm90 needs non-empty batch and sequences"
@@ -318,7 +347,7 @@ def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False,
     if reason:
         return reason
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    spec = bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal, local=local, softcap=softcap, packed=packed)
+    spec = bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal, local=local, softcap=softcap, rows=rows)
     return FlashBwdLaunch(spec, device_index)
 
 

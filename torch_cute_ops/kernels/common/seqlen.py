@@ -1,19 +1,28 @@
-"""Where one batch entry's rows live in the attention tensors: dense or packed (varlen).
+"""Where one batch entry's rows live in the attention tensors: dense, packed (varlen) or padded.
 
 Shared by the forward and the backward. Both take q-like tensors as (S, D, H, B) views (TMA
-coordinate tensors or plain gmem) and per-query statistics as (S, H, B):
+coordinate tensors or plain gmem) and per-query statistics as (S, H, B). The row layout
+(``rows``) is a compile-time choice; its two int32 tensors ``info_q``/``info_k`` say:
 
-* dense: (B, S, H, D) inputs; entry ``b`` is index ``b`` of mode B, its S rows all real;
-* packed (FlashAttention's varlen): (1, total, H, D) inputs and ``cu_seqlens`` (B + 1,) int32;
-  entry ``b`` owns rows ``[cu[b], cu[b + 1])``. A kernel sees the entry as an (S, D) slab
-  starting at its first row (a domain offset), so tile arithmetic is the dense one. A tile
-  that runs past the entry's end reads the next entry's rows: keys there are masked by
-  ``seqlen_k``, and query rows there are never stored (no TMA stores past ``seqlen_q``).
+* ``"dense"``: (B, S, H, D) inputs; entry ``b`` is index ``b`` of mode B, its S rows all real
+  (the info tensors are not read);
+* ``"packed"`` (FlashAttention's varlen): (1, total, H, D) inputs, ``info_q``/``info_k`` the
+  cu_seqlens (B + 1,); entry ``b`` owns rows ``[cu[b], cu[b + 1])``;
+* ``"padded"``: (B, S, H, D) inputs whose entry ``b`` has real keys only in
+  ``[info_q[b], info_k[b])`` (a padded batch, left or right); its queries are aligned with the
+  keys bottom-right (query ``i`` sits at key position ``i + S_k - S_q``), so the real query rows
+  are those whose position falls in that range.
+
+A kernel sees an entry as an (S, D) slab starting at its first real row (a domain offset), so
+tile arithmetic is the dense one. A tile that runs past the entry's end reads rows that are not
+the entry's: keys there are masked by ``seqlen_k``, and query rows there are never stored (no
+TMA stores past ``seqlen_q`` in the packed and padded layouts).
 
 The backward's fp32 per-query statistics (lse, delta) and dQ accumulator have a padded copy
 per entry: it starts at ``padded_offset_q``, a multiple of ``pad`` (whole query blocks) with
-room for the entry's last block, so that whole-block loads and reduce-adds never touch
-another entry's rows. With B entries the padded copy has ``total_q + B * pad`` rows.
+room for the entry's last block, so that whole-block loads and reduce-adds start aligned and
+never touch another entry's rows. Packed, with B entries, the copy has ``total_q + B * pad``
+rows; padded, each entry's copy is its own batch slot, from its first real query on.
 """
 
 from __future__ import annotations
@@ -25,33 +34,50 @@ from cutlass import Int32, const_expr
 from .flash_common import DslState
 
 
+ROW_LAYOUTS = ("dense", "packed", "padded")
+
+
 class SeqBounds(DslState):
     """Rows of batch entry ``batch``: ``offset_q``/``seqlen_q`` of the queries, ``offset_k``/
-    ``seqlen_k`` of the keys, ``padded_offset_q`` of its padded statistics (packed only)."""
+    ``seqlen_k`` of the keys, ``padded_offset_q`` of its statistics in the backward's padded
+    copies. ``seqlen_q``/``seqlen_k``: the tensors' extents (dense, padded)."""
 
     dynamic_fields = ("offset_q", "seqlen_q", "offset_k", "seqlen_k", "padded_offset_q")
 
-    def __init__(self, batch, seqlen_q, seqlen_k, cu_seqlens_q: cute.Tensor = None,
-                 cu_seqlens_k: cute.Tensor = None, packed: bool = False, pad: int = 128):
-        self.packed = packed
-        if const_expr(packed):
-            self.offset_q = cu_seqlens_q[batch]
-            self.seqlen_q = cu_seqlens_q[batch + 1] - self.offset_q
-            self.offset_k = cu_seqlens_k[batch]
-            self.seqlen_k = cu_seqlens_k[batch + 1] - self.offset_k
+    def __init__(self, batch, seqlen_q, seqlen_k, info_q: cute.Tensor = None, info_k: cute.Tensor = None,
+                 rows: str = "dense", pad: int = 128):
+        assert rows in ROW_LAYOUTS, rows
+        self.rows = rows
+        if const_expr(rows == "packed"):
+            self.offset_q = info_q[batch]
+            self.seqlen_q = info_q[batch + 1] - self.offset_q
+            self.offset_k = info_k[batch]
+            self.seqlen_k = info_k[batch + 1] - self.offset_k
             self.padded_offset_q = (self.offset_q + batch * pad) // pad * pad
+        elif const_expr(rows == "padded"):
+            self.offset_k = info_q[batch]
+            self.seqlen_k = info_k[batch] - self.offset_k
+            shift = seqlen_k - seqlen_q  # query i sits at key position i + shift
+            self.offset_q = cutlass.max(self.offset_k - shift, 0)
+            self.seqlen_q = cutlass.max(info_k[batch] - shift, self.offset_q) - self.offset_q
+            # statistics from the entry's first real query on, in its own slot: whole-block
+            # loads start aligned (a 1-D TMA box must)
+            self.padded_offset_q = Int32(0)
         else:
             self.offset_q, self.offset_k, self.padded_offset_q = Int32(0), Int32(0), Int32(0)
             self.seqlen_q, self.seqlen_k = Int32(seqlen_q), Int32(seqlen_k)
 
     @staticmethod
-    def num_entries(dense_batch, cu_seqlens_q: cute.Tensor, packed: bool):
-        return cute.size(cu_seqlens_q.shape[0]) - 1 if const_expr(packed) else dense_batch
+    def num_entries(dense_batch, cu_seqlens_q: cute.Tensor, rows: str):
+        return cute.size(cu_seqlens_q.shape[0]) - 1 if const_expr(rows == "packed") else dense_batch
+
+    def _entry(self, batch):
+        return 0 if const_expr(self.rows == "packed") else batch
 
     def _slab(self, m: cute.Tensor, offset, head, batch) -> cute.Tensor:
-        if const_expr(self.packed):
-            return cute.domain_offset((offset, 0), m[None, None, head, 0])
-        return m[None, None, head, batch]
+        if const_expr(self.rows == "dense"):
+            return m[None, None, head, batch]
+        return cute.domain_offset((offset, 0), m[None, None, head, self._entry(batch)])
 
     def q_rows(self, m: cute.Tensor, head, batch) -> cute.Tensor:
         """The (S_q, D) slab of a q-like (S, D, H, B) tensor (q, out, dout, dq)."""
@@ -67,21 +93,17 @@ class SeqBounds(DslState):
 
     def padded_stat(self, m: cute.Tensor, head, batch) -> cute.Tensor:
         """The (S,) slice of a padded per-query statistic (S, H, B) (lse * log2 e, delta)."""
-        if const_expr(self.packed):
-            return cute.domain_offset((self.padded_offset_q,), m[None, head, 0])
-        return m[None, head, batch]
+        if const_expr(self.rows == "dense"):
+            return m[None, head, batch]
+        return cute.domain_offset((self.padded_offset_q,), m[None, head, self._entry(batch)])
 
     def q_index(self, row, batch) -> tuple:
         """(row, entry) of query ``row`` of this entry in an (S, ..., B) tensor."""
-        if const_expr(self.packed):
-            return self.offset_q + row, 0
-        return row, batch
+        return self.offset_q + row, self._entry(batch)
 
     def padded_index(self, row, batch) -> tuple:
         """(row, entry) of query ``row`` in a padded statistic or accumulator."""
-        if const_expr(self.packed):
-            return self.padded_offset_q + row, 0
-        return row, batch
+        return self.padded_offset_q + row, self._entry(batch)
 
 
 @cute.jit

@@ -104,15 +104,16 @@ class FlashBwdSm90:
     """The three kernels and their host function for one (dtype, head_dim, causal)."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int,
-                 num_stages: int, local: bool = False, softcap: bool = False, packed: bool = False):
+                 num_stages: int, local: bool = False, softcap: bool = False, rows: str = "dense"):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
         self.local = local  # a (left, right) window, runtime bounds (see flash_common.KeyRange)
         self.softcap = softcap  # soft-capped scores (runtime cap value), d tanh kept per score
-        # varlen: sequences packed along S (see common.seqlen); the fp32 statistics and the dQ
-        # accumulator then live in per-sequence padded rows
-        self.packed = packed
+        # where each batch entry's rows are: dense, packed (varlen) or padded (common.seqlen);
+        # packed, the fp32 statistics and the dQ accumulator live in per-sequence padded rows
+        self.rows = rows
+        self.ragged = rows != "dense"
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_stages = num_stages
@@ -159,28 +160,29 @@ class FlashBwdSm90:
     def __call__(self, mdO: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mO: cute.Tensor, mLSE: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mDelta: cute.Tensor, mLSElog2: cute.Tensor,
-                 mdQacc: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                 mdQacc: cute.Tensor, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
                  max_seqlen_q: Int32, max_seqlen_k: Int32, softmax_scale: Float32, window_left: Int32,
                  window_right: Int32, softcap: Float32, stream):
         # per batch entry: its query rows, padded to whole query blocks for the statistics
         # (pad: delta 0, lse +inf), and its key rows
         batch, seqlen_q, padded_q, seqlen_k = mQ.shape[0], mQ.shape[1], mDelta.shape[2], mK.shape[1]
-        if const_expr(self.packed):
-            batch = SeqBounds.num_entries(batch, mCuSeqlensQ, True)
+        if const_expr(self.rows == "packed"):
+            batch = SeqBounds.num_entries(batch, mSeqInfoQ, self.rows)
             seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
             padded_q = cute.ceil_div(max_seqlen_q, _STAT_PAD) * _STAT_PAD
-        heads = cute.size(mQ.shape[2])
-        self._preprocess_kernel(mO, mdO, mLSE, mDelta, mLSElog2, mdQacc, mCuSeqlensQ, mCuSeqlensK).launch(
+        heads, keys_extent = cute.size(mQ.shape[2]), mK.shape[1]
+        self._preprocess_kernel(mO, mdO, mLSE, mDelta, mLSElog2, mdQacc, mSeqInfoQ, mSeqInfoK,
+                                keys_extent).launch(
             grid=(cute.ceil_div(padded_q * heads, self.rows_per_cta), batch, 1),
             block=[self.row_threads, 1, 1], stream=stream)
-        self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mCuSeqlensQ, mCuSeqlensK,
+        self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mSeqInfoQ, mSeqInfoK,
                           batch, seqlen_k, softmax_scale, window_left, window_right, softcap, stream)
-        self._postprocess_kernel(mdQacc, mdQ, mCuSeqlensQ, mCuSeqlensK).launch(
+        self._postprocess_kernel(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent).launch(
             grid=(cute.ceil_div(seqlen_q * heads, self.rows_per_cta), batch, 1),
             block=[self.row_threads, 1, 1], stream=stream)
 
     @cute.jit
-    def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mCuSeqlensQ, mCuSeqlensK,
+    def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mSeqInfoQ, mSeqInfoK,
                      batch, seqlen_k, softmax_scale, window_left, window_right, softcap, stream):
         # (B, S, H, D) -> (S, D, H, B): TMA tiles over (S, D); (B, H, S) -> (S, H, B)
         seq_major = [1, 3, 2, 0]
@@ -258,7 +260,7 @@ class FlashBwdSm90:
         self._main_kernel(
             tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_dQ, tma_LSE, tma_Delta,
             gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, gmem_dQ, gmem_LSE, gmem_Delta,
-            mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
+            mdK, mdV, mSeqInfoQ, mSeqInfoK,
             mma_sdp, mma_dkv, mma_dq,
             sQ_layout, sKV_layout, sP_layout, sdS_layout, sdQ_layout, sStat_layout,
             *self._softmax_scales(softmax_scale, softcap), softmax_scale, window_left, window_right, SharedStorage,
@@ -283,11 +285,11 @@ class FlashBwdSm90:
     @cute.kernel
     def _preprocess_kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                            mDelta: cute.Tensor, mLSElog2: cute.Tensor, mdQacc: cute.Tensor,
-                           mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor):
+                           mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor, keys_extent: Int32):
         b, s, h, lane = self._row_coords(mO.shape[2])
-        bounds = SeqBounds(b, mO.shape[1], 0, mCuSeqlensQ, mCuSeqlensK, self.packed, _STAT_PAD)
+        bounds = SeqBounds(b, mO.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
         padded_q = mDelta.shape[2]
-        if const_expr(self.packed):
+        if const_expr(self.ragged):
             padded_q = cute.ceil_div(bounds.seqlen_q, _STAT_PAD) * _STAT_PAD
         in_seq = s < bounds.seqlen_q
         q_row, q_entry = bounds.q_index(s, b)
@@ -317,10 +319,10 @@ class FlashBwdSm90:
                 mDelta[stat_entry, h, stat_row] = total
 
     @cute.kernel
-    def _postprocess_kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,
-                            mCuSeqlensK: cute.Tensor):
+    def _postprocess_kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mSeqInfoQ: cute.Tensor,
+                            mSeqInfoK: cute.Tensor, keys_extent: Int32):
         b, s, h, lane = self._row_coords(mdQ.shape[2])
-        bounds = SeqBounds(b, mdQ.shape[1], 0, mCuSeqlensQ, mCuSeqlensK, self.packed, _STAT_PAD)
+        bounds = SeqBounds(b, mdQ.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
         if s < bounds.seqlen_q:
             q_row, q_entry = bounds.q_index(s, b)
             acc_row_idx, acc_entry = bounds.padded_index(s, b)
@@ -340,8 +342,8 @@ class FlashBwdSm90:
         mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
         mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor,
         mLSElog2: cute.Tensor, mDelta: cute.Tensor,
-        mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,  # dK, dV as plain gmem: the packed store
-        mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+        mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,  # dK, dV as plain gmem: the ragged store
+        mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
         mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,  # unused when P stays in registers (swap_sdp)
@@ -378,12 +380,12 @@ class FlashBwdSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        bounds = SeqBounds(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, self.packed, _STAT_PAD)
+        bounds = SeqBounds(batch, mQ.shape[0], mK.shape[0], mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
         group = mQ.shape[2] // mK.shape[2]
         m_block_min, m_block_max = self._m_block_range(n_block, bounds.seqlen_q, bounds.seqlen_k,
                                                        window_left, window_right)
 
-        # a packed grid covers the longest sequence's key blocks: the others' CTAs leave at once
+        # a ragged grid covers the longest entry's key blocks: the others' CTAs leave at once
         if self._block_has_keys(n_block, bounds):
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
@@ -403,7 +405,7 @@ class FlashBwdSm90:
                               m_block_min, m_block_max, bounds, window_left, window_right)
 
     def _block_has_keys(self, n_block, bounds: SeqBounds):
-        if const_expr(self.packed):
+        if const_expr(self.ragged):
             return n_block * self.tile_n < bounds.seqlen_k
         return True
 
@@ -703,8 +705,8 @@ class FlashBwdSm90:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
         kv_tile = (self.tile_n, self.head_dim)
-        if const_expr(self.packed):
-            # rows past the sequence belong to the next one: plain stores, row by row
+        if const_expr(self.ragged):
+            # rows past the entry's end are not its own: plain stores, row by row
             for mX, sX in ((mdK_rows, sK), (mdV_rows, sV)):
                 gX = cute.local_tile(bounds.k_rows(mX, kv_head, batch), kv_tile, (n_block, 0))
                 store_rows(sX, gX, bounds.seqlen_k - n_block * self.tile_n, tidx, _NUM_MMA_THREADS)
@@ -732,7 +734,7 @@ def build(spec: KernelSpec):
     dtype, head_dim = _DTYPES[spec["dtype"]], spec["head_dim"]
     tile_m, tile_n = spec["tile"]
     kernel = FlashBwdSm90(dtype, head_dim, spec["causal"], tile_m, tile_n, spec["stages"], spec["local"],
-                          spec["softcap"], spec["packed"])
+                          spec["softcap"], spec["rows"])
     bhs = lambda: cute.runtime.make_fake_tensor(
         Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
         stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
@@ -750,7 +752,7 @@ def build(spec: KernelSpec):
         bhs(),  # lse
         bshd(), bshd(), bshd(),  # dq, dk, dv
         padded_stat(), padded_stat(), dq_accum,
-        cu_seqlens(), cu_seqlens(), Int32(0), Int32(0),  # packed: cu_seqlens, max_seqlen (q, k)
+        cu_seqlens(), cu_seqlens(), Int32(0), Int32(0),  # row bounds (common.seqlen), max_seqlen (q, k)
         Float32(1.0), Int32(0), Int32(0), Float32(1.0),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )

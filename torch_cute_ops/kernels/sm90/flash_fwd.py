@@ -120,15 +120,16 @@ def _scores_to_p(tOrP, acc_s):
 
 class FlashFwdSm90:
     def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig, local: bool = False,
-                 softcap: bool = False, packed: bool = False):
+                 softcap: bool = False, rows: str = "dense"):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
         # a (left, right) window, both bounds runtime values (causal is the fixed right = 0)
         self.local = local
         self.softcap = softcap  # scores soft-capped before the mask (runtime cap value)
-        # varlen: sequences packed along S, bounded by cu_seqlens (see common.seqlen)
-        self.packed = packed
+        # where each batch entry's rows are: dense, packed (varlen) or padded (common.seqlen)
+        self.rows = rows
+        self.ragged = rows != "dense"  # entries with their own lengths: tiles may be empty
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
         self.num_wg = config.num_wg
@@ -155,8 +156,8 @@ class FlashFwdSm90:
         mO: cute.Tensor,  # (B, S_q, H_q, D)
         mLSE: cute.Tensor,  # (B, H_q, S_q) fp32
         mTileCounter: cute.Tensor,  # (1,) int32, zero: the dynamic schedule's claims
-        mCuSeqlensQ: cute.Tensor,  # packed: (B + 1,) int32 row offsets; ignored when dense
-        mCuSeqlensK: cute.Tensor,
+        mSeqInfoQ: cute.Tensor,  # int32 row bounds (common.seqlen): packed, cu_seqlens (B + 1,);
+        mSeqInfoK: cute.Tensor,  # padded, the first and one-past-last real key (B,); dense: unread
         max_seqlen_q: Int32,  # packed: the longest sequences (grid, L2 sections)
         max_seqlen_k: Int32,
         softmax_scale: Float32,
@@ -172,9 +173,9 @@ class FlashFwdSm90:
         mLSE = _select(mLSE, [2, 1, 0])  # (S_q, H_q, B)
         # packed: B = 1 and S the total; the sequences' bounds come from cu_seqlens
         seqlen_q, seqlen_k, batch = mQ.shape[0], mK.shape[0], mQ.shape[3]
-        if const_expr(self.packed):
+        if const_expr(self.rows == "packed"):
             seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
-            batch = SeqBounds.num_entries(batch, mCuSeqlensQ, True)
+            batch = SeqBounds.num_entries(batch, mSeqInfoQ, self.rows)
 
         q_layout = _smem_layout(self.dtype, 64, D, self.num_wg)
         k_layout = _smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -225,7 +226,7 @@ class FlashFwdSm90:
         )
         num_tiles = num_m_blocks * num_heads * batch
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mO, mO, mLSE, mTileCounter, mCuSeqlensQ, mCuSeqlensK, batch,
+            tma_mQ, tma_mK, tma_mV, tma_mO, mO, mLSE, mTileCounter, mSeqInfoQ, mSeqInfoK, batch,
             tma_q, tma_k, tma_v, tma_o,
             tiled_mma_qk, tiled_mma_pv,
             q_layout, k_layout, v_layout,
@@ -254,11 +255,11 @@ class FlashFwdSm90:
         mK: cute.Tensor,
         mV: cute.Tensor,
         mO: cute.Tensor,
-        mO_rows: cute.Tensor,  # O as plain gmem: the packed store
+        mO_rows: cute.Tensor,  # O as plain gmem: the store of ragged entries
         mLSE: cute.Tensor,
         mTileCounter: cute.Tensor,
-        mCuSeqlensQ: cute.Tensor,
-        mCuSeqlensK: cute.Tensor,
+        mSeqInfoQ: cute.Tensor,
+        mSeqInfoK: cute.Tensor,
         num_batch: Int32,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
@@ -324,9 +325,9 @@ class FlashFwdSm90:
         if const_expr(self.separate_o):
             sO = storage.sO.get_tensor(q_layout.outer, swizzle=q_layout.inner)
 
-        # packed: longest first too, so that the empty blocks of short sequences run last
+        # ragged entries: longest first too, so that the empty blocks of short ones run last
         scheduler = AttentionTileScheduler(
-            num_m_blocks, mQ.shape[2], num_batch, heads_per_section, self.causal or self.packed,
+            num_m_blocks, mQ.shape[2], num_batch, heads_per_section, self.causal or self.ragged,
             self.dynamic_schedule,
         )
         tile_source = TileSource(scheduler, pipe_tile, tile_slots, mTileCounter)
@@ -336,18 +337,18 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
-                             pipe_q, pipe_k, pipe_v, tile_source, mCuSeqlensQ, mCuSeqlensK,
+                             pipe_q, pipe_k, pipe_v, tile_source, mSeqInfoQ, mSeqInfoK,
                              window_left, window_right)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO, mO_rows, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tile_source, scale_log2, cap_scale,
-                         mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
+                         mQ.shape[0], mK.shape[0], mSeqInfoQ, mSeqInfoK, window_left, window_right)
 
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
-                pipe_q, pipe_k, pipe_v, tile_source: TileSource, mCuSeqlensQ, mCuSeqlensK,
+                pipe_q, pipe_k, pipe_v, tile_source: TileSource, mSeqInfoQ, mSeqInfoK,
                 window_left: Int32, window_right: Int32):
         D = self.head_dim
         scheduler = tile_source.scheduler
@@ -359,7 +360,7 @@ class FlashFwdSm90:
         while scheduler.is_valid(tile):
             m_block, head, batch = scheduler.coords(tile)
             head_kv = head // q_per_kv
-            bounds = SeqBounds(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, self.packed)
+            bounds = SeqBounds(batch, mQ.shape[0], mK.shape[0], mSeqInfoQ, mSeqInfoK, self.rows)
             if self.tile_has_rows(m_block, bounds):
                 keys = self.key_range(m_block, bounds, window_left, window_right)
                 # ((TMA atom), rest) views of the smem stages and the gmem tiles
@@ -405,8 +406,8 @@ class FlashFwdSm90:
         )
 
     def tile_has_rows(self, m_block, bounds: SeqBounds):
-        """Dense tiles always do; a packed schedule covers the longest sequence's blocks."""
-        if const_expr(self.packed):
+        """Dense tiles always do; a ragged schedule covers the longest entry's blocks."""
+        if const_expr(self.ragged):
             return m_block * self.tile_m < bounds.seqlen_q
         return True
 
@@ -419,7 +420,7 @@ class FlashFwdSm90:
     def consume(self, mO, mO_rows, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                 pipe_q, pipe_k, pipe_v, tile_source: TileSource,
                 scale_log2: Float32, cap_scale: Float32, seqlen_q: Int32, seqlen_k: Int32,
-                mCuSeqlensQ, mCuSeqlensK, window_left: Int32, window_right: Int32):
+                mSeqInfoQ, mSeqInfoK, window_left: Int32, window_right: Int32):
         D = self.head_dim
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -462,7 +463,7 @@ class FlashFwdSm90:
         tile = scheduler.first_tile()
         while scheduler.is_valid(tile):
             m_block, head, batch = scheduler.coords(tile)
-            bounds = SeqBounds(batch, seqlen_q, seqlen_k, mCuSeqlensQ, mCuSeqlensK, self.packed)
+            bounds = SeqBounds(batch, seqlen_q, seqlen_k, mSeqInfoQ, mSeqInfoK, self.rows)
             if self.tile_has_rows(m_block, bounds):
                 keys = self.key_range(m_block, bounds, window_left, window_right)
                 row_start = m_block * self.tile_m + wg * 64
@@ -593,8 +594,8 @@ class FlashFwdSm90:
         cute.copy(thr_store, thr_store.retile(rO), thr_store.partition_D(sO))
         cute.arch.fence_view_async_shared()  # smem writes visible to the TMA unit
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
-        if const_expr(self.packed):
-            # rows past the sequence belong to the next one: plain stores, row by row
+        if const_expr(self.ragged):
+            # rows past the entry's end are not its own: plain stores, row by row
             gO = cute.local_tile(bounds.q_rows(mO_rows, head, batch), (64, D), (m_block * self.num_wg + wg, 0))
             store_rows(sO, gO, bounds.seqlen_q - row_start, wg_tidx, 128)
         else:
@@ -614,9 +615,8 @@ class FlashFwdSm90:
 def build(spec: KernelSpec):
     dtype = _CUTE_DTYPE[spec["dtype"]]
     head_dim, causal = spec["head_dim"], spec["causal"]
-    packed = spec["packed"]
     kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]), spec["local"], spec["softcap"],
-                          packed)
+                          spec["rows"])
 
     def bhsd(elem):
         # (B, S, H, D), any strides but the last; 16-byte aligned rows for TMA
@@ -632,7 +632,7 @@ def build(spec: KernelSpec):
         assumed_align=4,
     )
     counter = cute.runtime.make_fake_compact_tensor(Int32, (1,), assumed_align=4)
-    # cu_seqlens (B + 1,) of a packed variant; a dense one is passed a placeholder it never reads
+    # the row bounds of a packed or padded variant; a dense one is passed a placeholder it never reads
     cu_seqlens = lambda: cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, cu_seqlens(), cu_seqlens(),
