@@ -9,8 +9,8 @@
 
 TORCH_LIBRARY(cute, m) {
   m.def("gemm(Tensor a, Tensor b, Tensor? bias=None, str? activation=None, ScalarType? out_dtype=None, float alpha=1.0) -> Tensor");
-  m.def("flash_attn_fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, SymInt? window_left=None, SymInt? window_right=None, float softcap=0.0, Tensor? key_start=None, Tensor? key_end=None) -> (Tensor out, Tensor lse)");
-  m.def("flash_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, bool causal, SymInt? window_left=None, SymInt? window_right=None, float softcap=0.0, Tensor? key_start=None, Tensor? key_end=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("flash_attn_fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, SymInt? window_left=None, SymInt? window_right=None, float softcap=0.0, Tensor? key_start=None, Tensor? key_end=None, Tensor? attn_mask=None) -> (Tensor out, Tensor lse)");
+  m.def("flash_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, bool causal, SymInt? window_left=None, SymInt? window_right=None, float softcap=0.0, Tensor? key_start=None, Tensor? key_end=None, Tensor? attn_mask=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("flash_attn_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, bool causal, SymInt? window_left=None, SymInt? window_right=None, float softcap=0.0) -> (Tensor out, Tensor lse)");
   m.def("flash_attn_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, bool causal, SymInt? window_left=None, SymInt? window_right=None, float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)");
 }

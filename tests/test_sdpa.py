@@ -42,7 +42,7 @@ def test_non_contiguous_inputs_from_transposed_projections():
 
 
 @pytest.mark.parametrize("kwargs,reason", [
-    (dict(attn_mask=torch.ones(9, 9, dtype=torch.bool).tril()), "attn_mask is not supported by the kernels"),
+    (dict(attn_mask=torch.zeros(9, 9).requires_grad_()), "attn_mask requires grad (the kernels do not differentiate it)"),
     (dict(dropout_p=0.5), "dropout is not supported by the kernels"),
 ])
 def test_uncovered_features_go_to_pytorch_and_are_counted(kwargs, reason):
@@ -52,6 +52,23 @@ def test_uncovered_features_go_to_pytorch_and_are_counted(kwargs, reason):
     torch.manual_seed(0)
     torch.testing.assert_close(ours, TORCH_SDPA(q, q, q, **kwargs))
     assert fallback.counts() == {("scaled_dot_product_attention", reason): 1}
+
+
+@pytest.mark.parametrize("mask", [
+    torch.ones(9, 9, dtype=torch.bool).tril(),                       # 2-D, broadcast over batch and heads
+    torch.rand(2, 1, 9, 9, generator=torch.Generator().manual_seed(0)) > 0.4,  # per batch, a hidden row likely
+    torch.randn(1, 2, 9, 9).masked_fill(torch.eye(9, dtype=torch.bool), float("-inf")),  # additive, per head
+])
+def test_attn_mask_is_served_by_the_op(mask):
+    """Bool and additive masks of any broadcastable shape go to the cute op (its reference path on
+    the CPU), not to PyTorch: same values as PyTorch where a row sees a key, 0 where none."""
+    q = _bhsd(2, 2, 9, 16)
+    ours = tco.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    theirs = TORCH_SDPA(q, q, q, attn_mask=mask)
+    seen = theirs.isfinite().all(-1)
+    torch.testing.assert_close(ours[seen], theirs[seen])
+    assert (ours[~seen] == 0).all()
+    assert fallback.counts() == {}
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(5, 12), (12, 5), (1, 9), (9, 9)])
@@ -170,6 +187,7 @@ def test_decode_plan_runs_the_dense_kernel_on_packed_views(monkeypatch):
     monkeypatch.setattr(flash_host, "get_compiled", lambda spec: (lambda *args: calls.append((spec, args))))
     monkeypatch.setattr(flash_host, "num_sms", lambda index: 132)
     monkeypatch.setattr(flash_host, "_unused_counter", lambda index: torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(flash_host, "_mask_placeholders", lambda index: (None, None, None))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     q, k = torch.randn(2, 1, 8, 64).bfloat16(), torch.randn(2, 300, 2, 64).bfloat16()
     out, lse = torch.empty_like(q), torch.empty(2, 8, 1)

@@ -76,12 +76,13 @@ def test_sdpa_override_under_compile_traces_the_ops():
 
 
 def test_fallback_under_compile_is_counted_once_per_graph():
-    """A case the kernels do not cover (here an explicit mask, as transformers passes under
-    torch.compile) still reaches PyTorch inside the graph, and is counted when traced."""
+    """A case the kernels do not cover (here a mask that requires grad) still reaches PyTorch
+    inside the graph, and is counted when traced."""
     torch._dynamo.reset()
     tco.ops.fallback.reset()
     q = torch.randn(2, 4, 9, 16)
-    mask = torch.ones(9, 9, dtype=torch.bool).tril()
+    mask = torch.zeros(9, 9).masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+    mask.requires_grad_()
 
     def fn(q):
         return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
@@ -92,7 +93,26 @@ def test_fallback_under_compile_is_counted_once_per_graph():
         compiled(q)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
     assert tco.fallback_counts() == {
-        ("scaled_dot_product_attention", "attn_mask is not supported by the kernels"): 1}
+        ("scaled_dot_product_attention", "attn_mask requires grad (the kernels do not differentiate it)"): 1}
+
+
+def test_attn_mask_compiles_onto_the_op():
+    """A bool mask under torch.compile(fullgraph=True) stays on cute::flash_attn_fwd (no fallback),
+    forward and backward."""
+    torch._dynamo.reset()
+    tco.ops.fallback.reset()
+    q = torch.randn(2, 4, 9, 16, requires_grad=True)
+    mask = torch.rand(2, 1, 9, 9, generator=torch.Generator().manual_seed(1)) > 0.3
+
+    def fn(q, mask):
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+    with tco.sdpa_override():
+        out = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, mask)
+    out.sum().backward()
+    ref = tco.scaled_dot_product_attention(q.detach(), q.detach(), q.detach(), attn_mask=mask)
+    torch.testing.assert_close(out, ref)
+    assert not tco.fallback_counts() and not q.grad.isnan().any()
 
 
 def test_top_left_causal_and_windows_compile_without_recompiles():

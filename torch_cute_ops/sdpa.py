@@ -3,10 +3,11 @@
 ``scaled_dot_product_attention`` has PyTorch's signature and semantics: (..., H, S, D) inputs,
 ``is_causal`` aligned top-left as PyTorch defines it (a window bound on the kernels' band when
 seqlen_q != seqlen_k), ``scale``, ``enable_gqa``. The cases the attention op covers go to
-``torch.ops.cute.flash_attn_fwd`` (through a free transpose to the (B, S, H, D) layout);
-everything else -- an ``attn_mask``, dropout, a value head dim that differs from the query's, a
-device with no attention kernel -- is counted as a fallback and handed to PyTorch's own
-implementation, which also raises PyTorch's errors for invalid input.
+``torch.ops.cute.flash_attn_fwd`` (through a free transpose to the (B, S, H, D) layout), an
+``attn_mask`` (bool or additive in the query's dtype, any broadcastable shape) included;
+everything else -- a mask that requires grad, dropout, a value head dim that differs from the
+query's, a device with no attention kernel -- is counted as a fallback and handed to PyTorch's
+own implementation, which also raises PyTorch's errors for invalid input.
 
 ``sdpa_override()`` (a context manager) and ``enable_sdpa_override()`` / ``disable_sdpa_override()``
 replace ``torch.nn.functional.scaled_dot_product_attention`` so that unchanged models (which call
@@ -40,7 +41,15 @@ def _device_has_kernel(device: torch.device) -> bool:
 def _reason_for_torch(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> str | None:
     """Why this call goes to PyTorch's implementation, or None when the cute op covers it."""
     if attn_mask is not None:
-        return "attn_mask is not supported by the kernels"
+        if is_causal:
+            return "attn_mask with is_causal (PyTorch's error)"
+        if attn_mask.requires_grad:
+            return "attn_mask requires grad (the kernels do not differentiate it)"
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+            return f"attn_mask dtype {attn_mask.dtype} is neither bool nor the query's"
+        full = (query.shape[0], query.shape[1], query.shape[-2], key.shape[-2])
+        if attn_mask.dim() > 4 or any(m not in (1, f) for m, f in zip(attn_mask.shape[::-1], full[::-1])):
+            return "attn_mask does not broadcast to (batch, heads, seqlen_q, seqlen_k)"
     if dropout_p > 0.0:
         return "dropout is not supported by the kernels"
     if not (query.dim() == key.dim() == value.dim() == 4):
@@ -65,10 +74,12 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                  is_causal: bool = False, scale: float | None = None,
                                  enable_gqa: bool = False) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention``, served by the cute kernels where they apply."""
-    if attn_mask is None and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():
         # eager calls decide once per layout (the checks cost more than the kernel's launch)
         route = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device,
                  dropout_p, is_causal, enable_gqa)
+        if attn_mask is not None:
+            route += (attn_mask.shape, attn_mask.dtype, attn_mask.requires_grad)
         reason = _routes.get(route, False)
         if reason is False:
             reason = _reason_for_torch(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
@@ -89,7 +100,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     causal = bool(is_causal) and query.shape[-2] == key.shape[-2]
     right = query.shape[-2] - key.shape[-2] if is_causal and not causal else None
     args = (q, k, v, float(scale), causal, None, right)
-    if dispatcher_free(q, k, v):
+    if attn_mask is not None:
+        args += (0.0, None, None, attn_mask)
+    if dispatcher_free(q, k, v, attn_mask):
         out, _ = _attention.flash_attn_fwd_impl(*args)
     else:
         out, _ = torch.ops.cute.flash_attn_fwd(*args)

@@ -5,6 +5,9 @@ of ``torch_cute_ops.reference.attention``. The window bounds are SymInts (None: 
 window that depends on sequence lengths (PyTorch's top-left causal) never specializes a graph.
 ``key_start``/``key_end`` (int32, (B,)) make a padded batch: entry b's real keys are
 ``[key_start[b], key_end[b])``, so padding on either side costs no mask and no copy.
+``attn_mask`` is PyTorch's (bool, True = attend, or additive in q's dtype; broadcastable to
+(B, H_q, S_q, S_k), never materialized); it is not differentiated. The kernels serve it alone
+(no causal, window, softcap or key range beside it) and skip the key blocks it leaves empty.
 """
 
 from __future__ import annotations
@@ -64,6 +67,19 @@ def _validate_key_range(q, key_start, key_end) -> None:
     checks.require_same_device([("q", q), ("key_start", key_start), ("key_end", key_end)])
 
 
+def _validate_attn_mask(q, k, attn_mask) -> None:
+    if attn_mask is None:
+        return
+    batch, s_q, heads, _ = q.shape
+    full = (batch, heads, s_q, k.shape[1])
+    if attn_mask.dim() > 4 or any(m not in (1, f) for m, f in zip(attn_mask.shape[::-1], full[::-1])):
+        raise ValueError(f"attn_mask: expected a shape broadcastable to {full} (batch, heads_q, seqlen_q, "
+                         f"seqlen_k), got {tuple(attn_mask.shape)}")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+        raise ValueError(f"attn_mask: expected dtype torch.bool or {q.dtype} (q's), got {attn_mask.dtype}")
+    checks.require_same_device([("q", q), ("attn_mask", attn_mask)])
+
+
 def _validate_softcap(softcap) -> None:
     if not softcap >= 0.0 or softcap == float("inf"):
         raise ValueError(f"softcap: expected a finite value >= 0 (0 = off), got {softcap}")
@@ -96,39 +112,53 @@ def _fwd_outputs_like(q):
 _fwd_plans: dict[tuple, object] = {}
 
 
-def _make_fwd_plan(key, q, k, v, causal, local, softcap, key_start, key_end):
+def _masked_reason(causal, local, softcap, key_start, attn_mask) -> str | None:
+    if attn_mask is not None and (causal or local or softcap or key_start is not None):
+        return "attn_mask together with causal, a window, softcap or key ranges (give one mask)"
+    return None
+
+
+def _make_fwd_plan(key, q, k, v, causal, local, softcap, key_start, key_end, attn_mask):
     """Validate (raises on invalid input) and decide the kernel for one layout and band kind,
     once: a launch, None when there is nothing to compute, or the reason no kernel covers it."""
     _validate_qkv(q, k, v)
     _validate_softcap(softcap)
     _validate_key_range(q, key_start, key_end)
+    _validate_attn_mask(q, k, attn_mask)
     plan = "cpu"
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_fwd", q.device)
         rows = "dense" if key_start is None else "padded"
-        plan = host if isinstance(host, str) else host.plan_fwd(q, k, v, causal, local=local,
-                                                                softcap=softcap != 0.0, rows=rows)
+        plan = host if isinstance(host, str) else (
+            _masked_reason(causal, local, softcap, key_start, attn_mask)
+            or host.plan_fwd(q, k, v, causal, local=local, softcap=softcap != 0.0, rows=rows,
+                             attn_mask=host.mask_kind(attn_mask)))
     return _remember(_fwd_plans, key, plan)
 
 
+def _optional_key(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
 def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0,
-                        key_start=None, key_end=None):
+                        key_start=None, key_end=None, attn_mask=None):
     if q.dim() != 4 or k.dim() != 4:
         _validate_qkv(q, k, v)  # the named error
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
     padded = key_start is not None
-    key = (*_qkv_key(q, k, v), band_causal, local, softcap != 0.0, padded,
-           padded and (key_start.shape, key_start.dtype, key_start.device),
-           key_end is not None and (key_end.shape, key_end.dtype, key_end.device))
+    key = (*_qkv_key(q, k, v), band_causal, local, softcap != 0.0, _optional_key(key_start),
+           _optional_key(key_end), _optional_key(attn_mask))
     plan = _fwd_plans.get(key, False)
     if plan is False:
-        plan = _make_fwd_plan(key, q, k, v, band_causal, local, softcap, key_start, key_end)
+        plan = _make_fwd_plan(key, q, k, v, band_causal, local, softcap, key_start, key_end, attn_mask)
     if plan is not None and not isinstance(plan, str):
         reason = pointer_reason(("q", q), ("k", k), ("v", v))
         if reason is None:
             out, lse = _fwd_outputs_like(q)
             if padded:
                 plan.padded(q, k, v, key_start, key_end, out, lse, softmax_scale, left, right, softcap)
+            elif attn_mask is not None:
+                plan.masked(q, k, v, attn_mask, out, lse, softmax_scale)
             else:
                 plan(q, k, v, out, lse, softmax_scale, left, right, softcap)
             return out, lse
@@ -138,7 +168,7 @@ def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window
     if plan != "cpu":
         fallback.note("flash_attn_fwd", plan)
     return reference.flash_attn_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                                    key_start, key_end)
+                                    key_start, key_end, attn_mask)
 
 
 register_impl("flash_attn_fwd", flash_attn_fwd_impl)
@@ -146,28 +176,29 @@ register_impl("flash_attn_fwd", flash_attn_fwd_impl)
 
 @torch.library.register_fake(qualname("flash_attn_fwd"), lib=lib)
 def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0,
-                         key_start=None, key_end=None):
+                         key_start=None, key_end=None, attn_mask=None):
     _validate_qkv(q, k, v)
     _validate_softcap(softcap)
     _validate_key_range(q, key_start, key_end)
+    _validate_attn_mask(q, k, attn_mask)
     return _fwd_outputs_like(q)
 
 
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, causal, *rest = inputs
-    band, key_range = tuple(rest[:3]), tuple(rest[3:])
+    band, extras = tuple(rest[:3]), tuple(rest[3:])  # extras: key_start, key_end, attn_mask as given
     out, lse = output
     ctx.softmax_scale, ctx.causal, ctx.band = softmax_scale, causal, band
-    ctx.num_key_range = len(key_range)
-    ctx.save_for_backward(q, k, v, out, lse, *key_range)
+    ctx.num_extras = len(extras)
+    ctx.save_for_backward(q, k, v, out, lse, *extras)
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, *key_range = ctx.saved_tensors
+    q, k, v, out, lse, *extras = ctx.saved_tensors
     dq, dk, dv = torch.ops.cute.flash_attn_bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, *ctx.band,
-                                               *key_range)
-    return (dq, dk, dv, None, None) + (None,) * (len(ctx.band) + ctx.num_key_range)
+                                               *extras)
+    return (dq, dk, dv, None, None) + (None,) * (len(ctx.band) + ctx.num_extras)
 
 
 torch.library.register_autograd(qualname("flash_attn_fwd"), _fwd_backward,
@@ -192,10 +223,11 @@ def _validate_bwd(dout, q, k, v, out, lse) -> None:
 _bwd_plans: dict[tuple, object] = {}
 
 
-def _make_bwd_plan(key, dout, q, k, v, out, lse, causal, local, softcap, key_start, key_end):
+def _make_bwd_plan(key, dout, q, k, v, out, lse, causal, local, softcap, key_start, key_end, attn_mask):
     _validate_bwd(dout, q, k, v, out, lse)
     _validate_softcap(softcap)
     _validate_key_range(q, key_start, key_end)
+    _validate_attn_mask(q, k, attn_mask)
     plan = "cpu"
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_bwd", q.device)
@@ -203,12 +235,13 @@ def _make_bwd_plan(key, dout, q, k, v, out, lse, causal, local, softcap, key_sta
         plan = host if isinstance(host, str) else (
             tma_reason("dout", dout, (3,), check_pointer=False)
             or tma_reason("out", out, (3,), check_pointer=False)
-            or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows=rows))
+            or _masked_reason(causal, local, softcap, key_start, attn_mask)
+            or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows=rows, attn_mask=host.mask_kind(attn_mask)))
     return _remember(_bwd_plans, key, plan)
 
 
 def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=None, window_right=None,
-                    softcap=0.0, key_start=None, key_end=None):
+                    softcap=0.0, key_start=None, key_end=None, attn_mask=None):
     # the backward's autograd hands over whatever layout the loss produced
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     if q.dim() != 4 or k.dim() != 4:
@@ -216,10 +249,9 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
     key = (*_qkv_key(q, k, v), dout.shape, dout.stride(), dout.dtype, out.shape, out.stride(), out.dtype,
            lse.shape, lse.dtype, lse.device, band_causal, local, softcap != 0.0,
-           key_start is not None and (key_start.shape, key_start.dtype, key_start.device),
-           key_end is not None and (key_end.shape, key_end.dtype, key_end.device))
+           _optional_key(key_start), _optional_key(key_end), _optional_key(attn_mask))
     plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, band_causal, local, softcap,
-                                                 key_start, key_end)
+                                                 key_start, key_end, attn_mask)
     if not isinstance(plan, str):
         reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
@@ -229,6 +261,8 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
             if key_start is not None:
                 plan.padded(dout, q, k, v, out, lse.contiguous(), key_start, key_end, dq, dk, dv, softmax_scale,
                             left, right, softcap)
+            elif attn_mask is not None:
+                plan.masked(dout, q, k, v, out, lse.contiguous(), attn_mask, dq, dk, dv, softmax_scale)
             else:
                 plan(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, softmax_scale, left, right, softcap)
             return dq, dk, dv
@@ -236,7 +270,7 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
     if plan != "cpu":
         fallback.note("flash_attn_bwd", plan)
     return reference.flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-                                    softcap, key_start, key_end)
+                                    softcap, key_start, key_end, attn_mask)
 
 
 register_impl("flash_attn_bwd", _flash_attn_bwd)
@@ -244,8 +278,9 @@ register_impl("flash_attn_bwd", _flash_attn_bwd)
 
 @torch.library.register_fake(qualname("flash_attn_bwd"), lib=lib)
 def _flash_attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left=None, window_right=None,
-                         softcap=0.0, key_start=None, key_end=None):
+                         softcap=0.0, key_start=None, key_end=None, attn_mask=None):
     _validate_bwd(dout, q, k, v, out, lse)
     _validate_softcap(softcap)
     _validate_key_range(q, key_start, key_end)
+    _validate_attn_mask(q, k, attn_mask)
     return tuple(t.new_empty(t.shape) for t in (q, k, v))

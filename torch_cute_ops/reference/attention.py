@@ -17,6 +17,8 @@ Semantics shared with every attention kernel:
   ``[key_start[b], key_end[b])``; query ``i`` sits at key position ``i + S_k - S_q`` and is real
   iff that position is in the range. Keys outside it are never seen, and query rows that are
   not real have output 0, ``lse = -inf`` and zero gradients.
+* ``attn_mask`` (PyTorch's, broadcastable to (B, H_q, S_q, S_k)): bool (True = attend) or
+  additive float, added to the scaled (capped) scores; it combines with every rule above.
 * ``lse`` is the natural-log log-sum-exp of the scaled scores, shape (B, H_q, S_q), float32
   (float64 when the inputs are float64, so that gradcheck can verify the backward).
 
@@ -81,7 +83,8 @@ def key_range_mask(seqlen_q: int, seqlen_k: int, key_start, key_end) -> torch.Te
     return (queries[:, :, None] & keys[:, None, :])[:, None]
 
 
-def _scores(q, k, softmax_scale, causal, window_left, window_right, softcap, key_start=None, key_end=None):
+def _scores(q, k, softmax_scale, causal, window_left, window_right, softcap, key_start=None, key_end=None,
+            attn_mask=None):
     """Masked (soft-capped) scaled scores (B, H_q, S_q, S_k), and d(capped)/d(scaled) or None."""
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
     dcap = None
@@ -94,14 +97,20 @@ def _scores(q, k, softmax_scale, causal, window_left, window_right, softcap, key
         scores = scores.masked_fill(~visible, float("-inf"))
     if key_start is not None:
         scores = scores.masked_fill(~key_range_mask(q.shape[1], k.shape[1], key_start, key_end), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
     return scores, dcap
 
 
 def _probabilities(q, k, softmax_scale, causal, lse=None, window_left=None, window_right=None, softcap=0.0,
-                   key_start=None, key_end=None):
+                   key_start=None, key_end=None, attn_mask=None):
     """Scaled scores' softmax P (B, H_q, S_q, S_k) in the compute dtype, lse, and the softcap's
     derivative (None without one)."""
-    scores, dcap = _scores(q, k, softmax_scale, causal, window_left, window_right, softcap, key_start, key_end)
+    scores, dcap = _scores(q, k, softmax_scale, causal, window_left, window_right, softcap, key_start, key_end,
+                           attn_mask)
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
     # rows with no key have lse = -inf: subtract 0 there so P is exp(-inf) = 0, not NaN
@@ -110,24 +119,24 @@ def _probabilities(q, k, softmax_scale, causal, lse=None, window_left=None, wind
 
 
 def flash_attn_fwd(q, k, v, softmax_scale: float, causal: bool, window_left=None, window_right=None,
-                   softcap: float = 0.0, key_start=None, key_end=None):
+                   softcap: float = 0.0, key_start=None, key_end=None, attn_mask=None):
     acc = compute_dtype(q.dtype)
     hq = q.shape[2]
     qf, kf, vf = q.to(acc), _expand_kv(k.to(acc), hq), _expand_kv(v.to(acc), hq)
     p, lse, _ = _probabilities(qf, kf, softmax_scale, causal, None, window_left, window_right, softcap,
-                               key_start, key_end)
+                               key_start, key_end, attn_mask)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vf)
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 def flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, window_left=None,
-                   window_right=None, softcap: float = 0.0, key_start=None, key_end=None):
+                   window_right=None, softcap: float = 0.0, key_start=None, key_end=None, attn_mask=None):
     acc = compute_dtype(q.dtype)
     hq, hkv = q.shape[2], k.shape[2]
     qf, kf, vf = q.to(acc), _expand_kv(k.to(acc), hq), _expand_kv(v.to(acc), hq)
     dof, of = dout.to(acc), out.to(acc)
     p, _, dcap = _probabilities(qf, kf, softmax_scale, causal, lse.to(acc), window_left, window_right, softcap,
-                                key_start, key_end)
+                                key_start, key_end, attn_mask)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
     dp = torch.einsum("bqhd,bkhd->bhqk", dof, vf)
     delta = (dof * of).sum(-1).transpose(1, 2)  # D = rowsum(dO * O), (B, H_q, S_q)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -106,11 +107,11 @@ def kernel_band(causal: bool, window_left, window_right, seqlen_q: int, seqlen_k
 
 def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
              arch: str = "sm_90a", local: bool = False, softcap: bool = False,
-             rows: str = "dense") -> KernelSpec:
-    config = config or config_for(head_dim, causal, ragged=rows != "dense")
+             rows: str = "dense", attn_mask: str = "none") -> KernelSpec:
+    config = config or config_for(head_dim, causal, ragged=rows != "dense" or attn_mask != "none")
     # the config is in the key: a new config recompiles
     return KernelSpec.make(FWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
-                           softcap=softcap, rows=rows, config=dataclasses.astuple(config))
+                           softcap=softcap, rows=rows, attn_mask=attn_mask, config=dataclasses.astuple(config))
 
 
 # --------------------------------------------------------------------------- backward tiles
@@ -130,10 +131,11 @@ STAT_PAD = 128  # lse and delta rows are padded to whole query blocks for their 
 
 
 def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False,
-             softcap: bool = False, rows: str = "dense") -> KernelSpec:
+             softcap: bool = False, rows: str = "dense", attn_mask: str = "none") -> KernelSpec:
     tile_m, tile_n, num_stages = BWD_TILES[head_dim]
     return KernelSpec.make(BWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
-                           softcap=softcap, rows=rows, tile=(tile_m, tile_n), stages=num_stages)
+                           softcap=softcap, rows=rows, attn_mask=attn_mask, tile=(tile_m, tile_n),
+                           stages=num_stages)
 
 
 def shipped(arch: str) -> list[KernelSpec]:
@@ -183,6 +185,84 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# ---------------------------------------------------------------------------------- attn_mask
+
+BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL = 0, 1, 2  # kernels.common.flash_common's block statuses
+
+
+def mask_kind(attn_mask) -> str:
+    return "none" if attn_mask is None else "bool" if attn_mask.dtype == torch.bool else "add"
+
+
+def as_4d(attn_mask: torch.Tensor) -> torch.Tensor:
+    """A mask broadcastable to (B, H, S_q, S_k) as a 4-d view (leading size-1 dims added)."""
+    return attn_mask[(None,) * (4 - attn_mask.dim())]
+
+
+def mask_blocks(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int) -> torch.Tensor:
+    """The block summary of an attn_mask: int8 (B', H', M blocks, N blocks) of BLOCK_EMPTY (no
+    visible key), BLOCK_FULL (every key visible, no additive bias) or BLOCK_PARTIAL, with B', H'
+    the mask's own (broadcast dims stay 1). One pass of torch ops over the mask."""
+    mask = as_4d(attn_mask)
+    mask = mask.expand(mask.shape[0], mask.shape[1], seqlen_q, seqlen_k)
+    if mask.dtype == torch.bool:
+        live, full = mask, mask
+    else:
+        live, full = mask != float("-inf"), mask == 0
+    m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
+    pad = (0, n_blocks * tile_n - seqlen_k, 0, m_blocks * tile_m - seqlen_q)
+    # padding rows and columns decide nothing: never live, never spoil a full block
+    live = torch.nn.functional.pad(live.to(torch.uint8), pad, value=0)
+    full = torch.nn.functional.pad(full.to(torch.uint8), pad, value=1)
+    shape = (*mask.shape[:2], m_blocks, tile_m, n_blocks, tile_n)
+    any_live = live.view(shape).amax(dim=(3, 5)).bool()
+    all_full = full.view(shape).amin(dim=(3, 5)).bool()
+    blocks = torch.full(any_live.shape, BLOCK_EMPTY, dtype=torch.int8, device=mask.device)
+    blocks.masked_fill_(any_live, BLOCK_PARTIAL)
+    return blocks.masked_fill_(all_full, BLOCK_FULL)
+
+
+def live_ranges(blocks: torch.Tensor) -> torch.Tensor:
+    """int32 (..., 2): the first and past-last non-empty block along the last dim ((0, 0) if none)."""
+    live = blocks != BLOCK_EMPTY
+    index = torch.arange(blocks.shape[-1], device=blocks.device, dtype=torch.int32)
+    end = torch.where(live, index + 1, 0).amax(dim=-1)
+    start = torch.minimum(torch.where(live, index, blocks.shape[-1]).amin(dim=-1), end)
+    return torch.stack([start, end], dim=-1).to(torch.int32)
+
+
+# id(mask) -> (weak reference, version, key, summaries): transformers hands every layer the same
+# mask tensor, and the backward gets the forward's
+_summaries: dict[int, tuple] = {}
+
+
+def mask_summary(attn_mask: torch.Tensor, key: tuple, make):
+    """``make()``'s summary of this mask, computed once per mask tensor, version and ``key``."""
+    entry = _summaries.get(id(attn_mask))
+    if entry is not None and entry[0]() is attn_mask and entry[1] == attn_mask._version and entry[2] == key:
+        return entry[3]
+    summary = make()
+    if len(_summaries) >= 64:
+        _summaries.clear()
+    _summaries[id(attn_mask)] = (weakref.ref(attn_mask), attn_mask._version, key, summary)
+    return summary
+
+
+def _kernel_mask(attn_mask, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+    """The mask as the kernels read it: (B, H_q, S_q, S_k) strided view, bool as uint8."""
+    mask = as_4d(attn_mask).expand(batch, heads, seqlen_q, seqlen_k)
+    return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+
+
+@functools.cache
+def _mask_placeholders(device_index: int) -> tuple:
+    """What an unmasked variant gets for the (mask, blocks, ranges) it never reads."""
+    device = torch.device("cuda", device_index)
+    return (torch.zeros((1, 1, 1, 1), dtype=torch.uint8, device=device),
+            torch.zeros((1, 1, 1, 1), dtype=torch.int8, device=device),
+            torch.zeros((1, 1, 1, 2), dtype=torch.int32, device=device))
+
+
 @functools.cache
 def _unused_counter(device_index: int) -> torch.Tensor:
     """What a kernel gets for an int32 tensor it never reads: a static schedule's tile counter,
@@ -211,12 +291,31 @@ class FlashFwdLaunch:
     """The forward of one input layout: writes out (B, S_q, H_q, D) and lse (B, H_q, S_q).
     ``group`` > 0: the layout is decode with GQA, run through :func:`packed_gqa_views`."""
 
-    __slots__ = ("fn", "dynamic", "device_index", "grid", "no_keys", "group")
+    __slots__ = ("fn", "dynamic", "device_index", "grid", "no_keys", "group", "tiles")
 
-    def __init__(self, spec: KernelSpec | None, dynamic: bool, device_index: int, grid: int, group: int = 0):
+    def __init__(self, spec: KernelSpec | None, dynamic: bool, device_index: int, grid: int, group: int = 0,
+                 tiles: tuple[int, int] = (0, 0)):
         self.fn = None if spec is None else get_compiled(spec)
         self.no_keys = spec is None
         self.dynamic, self.device_index, self.grid, self.group = dynamic, device_index, grid, group
+        self.tiles = tiles  # (tile_m, tile_n): the granularity of an attn_mask's block summary
+
+    def masked(self, q, k, v, attn_mask, out, lse, softmax_scale: float) -> None:
+        """PyTorch's attn_mask (bool or additive, broadcastable to (B, H_q, S_q, S_k)); the plan's
+        variant is masked. Key blocks the mask leaves empty are never loaded."""
+        if self.no_keys:
+            out.zero_()
+            lse.fill_(float("-inf"))
+            return
+        (b, s_q, h, _), s_k = q.shape, k.shape[1]
+        blocks, ranges = mask_summary(attn_mask, ("fwd", s_q, s_k, self.tiles), lambda: _fwd_mask_summary(
+            attn_mask, s_q, s_k, self.tiles))
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        unused = _unused_counter(self.device_index)
+        m_blocks, n_blocks = blocks.shape[-2:]
+        self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, _kernel_mask(attn_mask, b, h, s_q, s_k),
+                blocks.expand(b, h, m_blocks, n_blocks), ranges.expand(b, h, m_blocks, 2), softmax_scale, 0, 0,
+                0.0, self.grid)
 
     def __call__(self, q, k, v, out, lse, softmax_scale: float, window_left: int = 0, window_right: int = 0,
                  softcap: float = 0.0) -> None:
@@ -228,7 +327,8 @@ class FlashFwdLaunch:
             q, out, lse = packed_gqa_views(q, self.group, out, lse)
         unused = _unused_counter(self.device_index)
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.dynamic else unused
-        self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, softmax_scale, window_left, window_right,
+        self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, *_mask_placeholders(self.device_index),
+                softmax_scale, window_left, window_right,
                 softcap, self.grid)
 
     def padded(self, q, k, v, key_start, key_end, out, lse, softmax_scale: float, window_left: int = 0,
@@ -240,7 +340,8 @@ class FlashFwdLaunch:
         if self.no_keys:
             return
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-        self.fn(q, k, v, out, lse, counter, key_start, key_end, 0, 0, softmax_scale, window_left, window_right,
+        self.fn(q, k, v, out, lse, counter, key_start, key_end, 0, 0, *_mask_placeholders(self.device_index),
+                softmax_scale, window_left, window_right,
                 softcap, self.grid)
 
     def packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, out, lse,
@@ -252,17 +353,34 @@ class FlashFwdLaunch:
             return
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         self.fn(q[None], k[None], v[None], out[None], lse[None], counter, cu_seqlens_q, cu_seqlens_k,
-                max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, self.grid)
+                max_seqlen_q, max_seqlen_k, *_mask_placeholders(self.device_index), softmax_scale, window_left, window_right, softcap, self.grid)
+
+
+def _fwd_mask_summary(attn_mask, seqlen_q: int, seqlen_k: int, tiles: tuple[int, int]):
+    blocks = mask_blocks(attn_mask, seqlen_q, seqlen_k, *tiles)
+    return blocks, live_ranges(blocks)
+
+
+def _bwd_mask_summary(attn_mask, seqlen_q: int, seqlen_k: int, tiles: tuple[int, int], kv_heads: int):
+    """Blocks at the backward's tiles, and per (batch, kv head, key block) the query blocks that any
+    head of the GQA group sees."""
+    blocks = mask_blocks(attn_mask, seqlen_q, seqlen_k, *tiles)
+    per_group = blocks
+    if blocks.shape[1] > 1:  # the mask differs per head: the union over each group
+        b, h, m, n = blocks.shape
+        per_group = blocks.view(b, kv_heads, h // kv_heads, m, n).amax(dim=2)
+    return blocks, live_ranges(per_group.transpose(2, 3))
 
 
 def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
              max_ctas: int | None = None, local: bool = False, softcap: bool = False,
-             rows: str = "dense") -> FlashFwdLaunch | str | None:
+             rows: str = "dense", attn_mask: str = "none") -> FlashFwdLaunch | str | None:
     """The forward launch for this layout and band kind (:func:`kernel_band`), the reason no
     kernel covers it, or None when there is nothing to compute. ``config`` and ``max_ctas``
     override the tiles and the persistent grid (experiments). ``rows``: "dense", "packed"
     (varlen q, k, v (total, H, D), called through :meth:`FlashFwdLaunch.packed`) or "padded"
-    (called through :meth:`FlashFwdLaunch.padded`)."""
+    (called through :meth:`FlashFwdLaunch.padded`). ``attn_mask``: "none", "bool" or "add"
+    (called through :meth:`FlashFwdLaunch.masked`)."""
     packed = rows == "packed"
     if packed:
         q, k, v = q[None], k[None], v[None]
@@ -277,12 +395,16 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
         return FlashFwdLaunch(None, False, device_index, grid)
     # one query token with grouped kv heads: the group's heads as rows of one tile, dense band
     dense = rows == "dense"
-    group = q.shape[2] // k.shape[2] if q.shape[1] == 1 and dense and not local and k.shape[2] < q.shape[2] else 0
+    unmasked = attn_mask == "none"
+    group = (q.shape[2] // k.shape[2] if q.shape[1] == 1 and dense and unmasked and not local
+             and k.shape[2] < q.shape[2] else 0)
     causal = causal and not group
     head_dim = q.shape[-1]
-    config = config or config_for(head_dim, causal, not packed and k.shape[1] <= SHORT_CAUSAL_KEYS, not dense)
-    spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=softcap, rows=rows)
-    return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid, group)
+    config = config or config_for(head_dim, causal, not packed and k.shape[1] <= SHORT_CAUSAL_KEYS,
+                                  not (dense and unmasked))
+    spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=softcap, rows=rows,
+                    attn_mask=attn_mask)
+    return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid, group, (config.tile_m, config.tile_n))
 
 
 class FlashBwdLaunch:
@@ -303,7 +425,27 @@ class FlashBwdLaunch:
         dq_accum = torch.empty((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
         unused = _unused_counter(self.device_index)
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, unused, unused, 0, 0,
+                *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
+
+    def masked(self, dout, q, k, v, out, lse, attn_mask, dq, dk, dv, softmax_scale: float) -> None:
+        """PyTorch's attn_mask (see :meth:`FlashFwdLaunch.masked`): key blocks skip the query blocks
+        the mask leaves empty for their whole GQA group."""
+        batch, seqlen_q, heads, head_dim = q.shape
+        seqlen_k, kv_heads = k.shape[1], k.shape[2]
+        tiles = BWD_TILES[head_dim][:2]
+        blocks, ranges = mask_summary(attn_mask, ("bwd", seqlen_q, seqlen_k, tiles, kv_heads),
+                                      lambda: _bwd_mask_summary(attn_mask, seqlen_q, seqlen_k, tiles, kv_heads))
+        padded = -(-seqlen_q // STAT_PAD) * STAT_PAD
+        delta = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
+        lse_log2 = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
+        dq_accum = torch.empty((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
+        unused = _unused_counter(self.device_index)
+        m_blocks, n_blocks = blocks.shape[-2:]
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, unused, unused, 0, 0,
+                _kernel_mask(attn_mask, batch, heads, seqlen_q, seqlen_k),
+                blocks.expand(batch, heads, m_blocks, n_blocks), ranges.expand(batch, kv_heads, n_blocks, 2),
+                softmax_scale, 0, 0, 0.0)
 
     def padded(self, dout, q, k, v, out, lse, key_start, key_end, dq, dk, dv, softmax_scale: float,
                window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
@@ -317,6 +459,7 @@ class FlashBwdLaunch:
         for grad in (dq, dk, dv):
             grad.zero_()
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, key_start, key_end, 0, 0,
+                *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
 
     def packed(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -332,11 +475,12 @@ class FlashBwdLaunch:
         dq_accum = torch.empty((1, padded, heads, head_dim), dtype=torch.float32, device=q.device)
         self.fn(dout[None], q[None], k[None], v[None], out[None], lse[None], dq[None], dk[None], dv[None],
                 delta, lse_log2, dq_accum, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
 
 
 def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False,
-             rows: str = "dense") -> FlashBwdLaunch | str:
+             rows: str = "dense", attn_mask: str = "none") -> FlashBwdLaunch | str:
     """The backward launch for this layout of q, k, v, or the reason no kernel covers it
     (dout and out, loaded like q, are checked by the op layer). ``rows`` as in :func:`plan_fwd`."""
     if rows == "packed":
@@ -347,7 +491,8 @@ def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False,
     if reason:
         return reason
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    spec = bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal, local=local, softcap=softcap, rows=rows)
+    spec = bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal, local=local, softcap=softcap, rows=rows,
+                    attn_mask=attn_mask)
     return FlashBwdLaunch(spec, device_index)
 
 

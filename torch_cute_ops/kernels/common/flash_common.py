@@ -7,6 +7,8 @@
   window bounds the band on both sides) and which of them need a mask;
 * :func:`mask_scores`: -inf outside the causal or local band and past ``seqlen_k``;
 * :func:`apply_softcap`: logit soft-capping before the mask and the softmax;
+* :func:`apply_attn_mask`: PyTorch's ``attn_mask`` (bool or additive) on the key blocks that
+  its block summary marks partial (:data:`BLOCK_FULL` blocks need none, empty ones are skipped);
 * :class:`OnlineSoftmax`: running row max / row sum in fp32 with exp2 and the
   softmax scale folded into one FFMA per score;
 * :class:`AttentionTileScheduler`: a persistent scheduler (static, or dynamic with
@@ -282,6 +284,33 @@ def mask_scores(
                 else:
                     for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                         acc[r, c] = acc[r, c] if t0ScS[0, c][1] < limit else -Float32.inf
+
+
+# a key block's status in an attn_mask's block summary (runtime.attention.mask_summary)
+BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL = 0, 1, 2
+
+
+@cute.jit
+def apply_attn_mask(acc_s: cute.Tensor, tScS: cute.Tensor, mMask: cute.Tensor, row_start: Int32,
+                    col_start: Int32, seqlen_q: Int32, seqlen_k: Int32, additive: cutlass.Constexpr[bool],
+                    inv_scale: Float32, keys_in_rows: cutlass.Constexpr[bool] = False):
+    """PyTorch's attn_mask on one block of scores, in place. ``mMask``: this (batch, head)'s
+    (S_q, S_k) view (any strides, broadcast dims stride 0). A bool mask (as uint8) sets -inf
+    where it is 0; an additive one adds ``mask / softmax_scale`` to the unscaled score, i.e.
+    ``mask`` to the scaled one. Scores outside (S_q, S_k) are left to the seqlen mask."""
+    acc = acc_as_rows_cols(acc_s)
+    for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+            row = row_start + tScS[r, c][0]
+            key = col_start + tScS[r, c][1]
+            if const_expr(keys_in_rows):
+                row = row_start + tScS[r, c][1]
+                key = col_start + tScS[r, c][0]
+            if (row < seqlen_q) & (key < seqlen_k):
+                if const_expr(additive):
+                    acc[r, c] = acc[r, c] + mMask[row, key].to(Float32) * inv_scale
+                else:
+                    acc[r, c] = acc[r, c] if mMask[row, key] != 0 else -Float32.inf
 
 
 @cute.jit

@@ -46,9 +46,10 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from ...runtime.attention import STAT_PAD as _STAT_PAD
 from ...runtime.spec import KernelSpec
 from ..common.flash_common import (
-    LOG2_E, acc_as_rows_cols, apply_softcap, convert_to_16bit, mask_scores, tiled_wgmma,
-    transposed_view,
+    BLOCK_FULL, LOG2_E, acc_as_rows_cols, apply_attn_mask, apply_softcap, convert_to_16bit, mask_scores,
+    tiled_wgmma, transposed_view,
 )
+from ..common.mask_args import mask_fakes
 from ..common.seqlen import SeqBounds, store_rows
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -104,7 +105,8 @@ class FlashBwdSm90:
     """The three kernels and their host function for one (dtype, head_dim, causal)."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int,
-                 num_stages: int, local: bool = False, softcap: bool = False, rows: str = "dense"):
+                 num_stages: int, local: bool = False, softcap: bool = False, rows: str = "dense",
+                 attn_mask: str = "none"):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -114,6 +116,9 @@ class FlashBwdSm90:
         # packed, the fp32 statistics and the dQ accumulator live in per-sequence padded rows
         self.rows = rows
         self.ragged = rows != "dense"
+        # PyTorch's attn_mask ("bool" or "add"itive), read in the blocks its summary says partial
+        self.attn_mask = attn_mask
+        self.masked = attn_mask != "none"
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_stages = num_stages
@@ -161,7 +166,8 @@ class FlashBwdSm90:
                  mO: cute.Tensor, mLSE: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mDelta: cute.Tensor, mLSElog2: cute.Tensor,
                  mdQacc: cute.Tensor, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
-                 max_seqlen_q: Int32, max_seqlen_k: Int32, softmax_scale: Float32, window_left: Int32,
+                 max_seqlen_q: Int32, max_seqlen_k: Int32, mMask: cute.Tensor, mMaskBlocks: cute.Tensor,
+                 mMaskRange: cute.Tensor, softmax_scale: Float32, window_left: Int32,
                  window_right: Int32, softcap: Float32, stream):
         # per batch entry: its query rows, padded to whole query blocks for the statistics
         # (pad: delta 0, lse +inf), and its key rows
@@ -176,14 +182,15 @@ class FlashBwdSm90:
             grid=(cute.ceil_div(padded_q * heads, self.rows_per_cta), batch, 1),
             block=[self.row_threads, 1, 1], stream=stream)
         self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mSeqInfoQ, mSeqInfoK,
-                          batch, seqlen_k, softmax_scale, window_left, window_right, softcap, stream)
+                          (mMask, mMaskBlocks, mMaskRange), batch, seqlen_k, softmax_scale, window_left,
+                          window_right, softcap, stream)
         self._postprocess_kernel(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent).launch(
             grid=(cute.ceil_div(seqlen_q * heads, self.rows_per_cta), batch, 1),
             block=[self.row_threads, 1, 1], stream=stream)
 
     @cute.jit
     def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mSeqInfoQ, mSeqInfoK,
-                     batch, seqlen_k, softmax_scale, window_left, window_right, softcap, stream):
+                     mask_args, batch, seqlen_k, softmax_scale, window_left, window_right, softcap, stream):
         # (B, S, H, D) -> (S, D, H, B): TMA tiles over (S, D); (B, H, S) -> (S, H, B)
         seq_major = [1, 3, 2, 0]
         mQ, mK, mV, mdO, mdK, mdV, mdQacc = [
@@ -260,7 +267,7 @@ class FlashBwdSm90:
         self._main_kernel(
             tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_dQ, tma_LSE, tma_Delta,
             gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, gmem_dQ, gmem_LSE, gmem_Delta,
-            mdK, mdV, mSeqInfoQ, mSeqInfoK,
+            mdK, mdV, mSeqInfoQ, mSeqInfoK, *mask_args, 1.0 / softmax_scale,
             mma_sdp, mma_dkv, mma_dq,
             sQ_layout, sKV_layout, sP_layout, sdS_layout, sdQ_layout, sStat_layout,
             *self._softmax_scales(softmax_scale, softcap), softmax_scale, window_left, window_right, SharedStorage,
@@ -344,6 +351,7 @@ class FlashBwdSm90:
         mLSElog2: cute.Tensor, mDelta: cute.Tensor,
         mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,  # dK, dV as plain gmem: the ragged store
         mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
+        mMask: cute.Tensor, mMaskBlocks: cute.Tensor, mMaskRange: cute.Tensor, inv_scale: Float32,
         mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,  # unused when P stays in registers (swap_sdp)
@@ -384,6 +392,9 @@ class FlashBwdSm90:
         group = mQ.shape[2] // mK.shape[2]
         m_block_min, m_block_max = self._m_block_range(n_block, bounds.seqlen_q, bounds.seqlen_k,
                                                        window_left, window_right)
+        if const_expr(self.masked):  # the query blocks the attn_mask leaves live for this key block
+            m_block_min = mMaskRange[batch, kv_head, n_block, 0]
+            m_block_max = mMaskRange[batch, kv_head, n_block, 1]
 
         # a ragged grid covers the longest entry's key blocks: the others' CTAs leave at once
         if self._block_has_keys(n_block, bounds):
@@ -402,7 +413,8 @@ class FlashBwdSm90:
                 self._consume(mdK, mdV, mdK_rows, mdV_rows, tma_dK, tma_dV,
                               mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
                               scale_log2, cap_scale, softmax_scale, n_block, kv_head, batch, group,
-                              m_block_min, m_block_max, bounds, window_left, window_right)
+                              m_block_min, m_block_max, bounds, window_left, window_right,
+                              (mMask, mMaskBlocks, inv_scale))
 
     def _block_has_keys(self, n_block, bounds: SeqBounds):
         if const_expr(self.ragged):
@@ -490,8 +502,9 @@ class FlashBwdSm90:
     def _consume(self, mdK, mdV, mdK_rows, mdV_rows, tma_dK, tma_dV,
                  mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
                  scale_log2, cap_scale, softmax_scale, n_block, kv_head, batch, group,
-                 m_block_min, m_block_max, bounds: SeqBounds, window_left, window_right):
+                 m_block_min, m_block_max, bounds: SeqBounds, window_left, window_right, user_mask):
         seqlen_q, seqlen_k = bounds.seqlen_q, bounds.seqlen_k
+        mMask, mMaskBlocks, inv_scale = user_mask
         tidx = cute.arch.thread_idx()[0] - 128
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         swap = self.swap_sdp
@@ -590,6 +603,11 @@ class FlashBwdSm90:
                 apply_softcap(acc_S, cap_scale)
                 for i in cutlass.range_constexpr(cute.size(acc_S)):
                     dcap[i] = 1.0 - acc_S[i] * acc_S[i]
+            if const_expr(self.masked):  # attn_mask values where the block is not full
+                if mMaskBlocks[batch, head, m_block, n_block] != BLOCK_FULL:
+                    apply_attn_mask(acc_S, tScS, mMask[batch, head, None, None], m_block * self.tile_m,
+                                    n_block * self.tile_n, seqlen_q, seqlen_k, self.attn_mask == "add",
+                                    inv_scale, keys_in_rows=swap)
             needs_mask = last_key >= seqlen_k
             if const_expr(self.causal):
                 needs_mask = needs_mask | (last_key > m_block * self.tile_m + offset)
@@ -734,7 +752,7 @@ def build(spec: KernelSpec):
     dtype, head_dim = _DTYPES[spec["dtype"]], spec["head_dim"]
     tile_m, tile_n = spec["tile"]
     kernel = FlashBwdSm90(dtype, head_dim, spec["causal"], tile_m, tile_n, spec["stages"], spec["local"],
-                          spec["softcap"], spec["rows"])
+                          spec["softcap"], spec["rows"], spec["attn_mask"])
     bhs = lambda: cute.runtime.make_fake_tensor(
         Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
         stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
@@ -753,6 +771,7 @@ def build(spec: KernelSpec):
         bshd(), bshd(), bshd(),  # dq, dk, dv
         padded_stat(), padded_stat(), dq_accum,
         cu_seqlens(), cu_seqlens(), Int32(0), Int32(0),  # row bounds (common.seqlen), max_seqlen (q, k)
+        *mask_fakes(spec["attn_mask"], dtype),
         Float32(1.0), Int32(0), Int32(0), Float32(1.0),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )

@@ -40,8 +40,10 @@ from cutlass.tensor_utils import LayoutEnum
 from ...runtime.attention import FwdConfig
 from ...runtime.spec import KernelSpec
 from ..common.flash_common import (
+    BLOCK_FULL,
     LOG2_E,
     AttentionTileScheduler,
+    apply_attn_mask,
     KeyRange,
     OnlineSoftmax,
     apply_softcap,
@@ -55,6 +57,7 @@ from ..common.flash_common import (
     transposed_view,
 )
 from ..common.seqlen import SeqBounds, store_rows
+from ..common.mask_args import mask_fakes
 
 _CUTE_DTYPE = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
@@ -113,6 +116,12 @@ def _capped_mask(mask, cap_scale, acc_s, **kwargs):
     mask(acc_s, **kwargs)
 
 
+def _user_mask(mask, user_mask_fn, acc_s, col_start, **kwargs):
+    """PyTorch's attn_mask values on this block, then the band and seqlen masks."""
+    user_mask_fn(acc_s, col_start=col_start)
+    mask(acc_s, col_start=col_start, **kwargs)
+
+
 def _scores_to_p(tOrP, acc_s):
     """P = exp'd scores in 16 bits, laid out as the A operand of the PV WGMMA."""
     convert_to_16bit(acc_as_operand_a(acc_s), tOrP)
@@ -120,7 +129,7 @@ def _scores_to_p(tOrP, acc_s):
 
 class FlashFwdSm90:
     def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig, local: bool = False,
-                 softcap: bool = False, rows: str = "dense"):
+                 softcap: bool = False, rows: str = "dense", attn_mask: str = "none"):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -130,6 +139,9 @@ class FlashFwdSm90:
         # where each batch entry's rows are: dense, packed (varlen) or padded (common.seqlen)
         self.rows = rows
         self.ragged = rows != "dense"  # entries with their own lengths: tiles may be empty
+        # PyTorch's attn_mask ("bool" or "add"itive) read where its block summary says partial
+        self.attn_mask = attn_mask
+        self.masked = attn_mask != "none"
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
         self.num_wg = config.num_wg
@@ -160,6 +172,9 @@ class FlashFwdSm90:
         mSeqInfoK: cute.Tensor,  # padded, the first and one-past-last real key (B,); dense: unread
         max_seqlen_q: Int32,  # packed: the longest sequences (grid, L2 sections)
         max_seqlen_k: Int32,
+        mMask: cute.Tensor,  # masked variants: attn_mask (B, H_q, S_q, S_k), any strides; else unread
+        mMaskBlocks: cute.Tensor,  # its block summary (B, H_q, M blocks, N blocks) int8 (BLOCK_*)
+        mMaskRange: cute.Tensor,  # (B, H_q, M blocks, 2) int32: the first and past-last live key block
         softmax_scale: Float32,
         window_left: Int32,  # local variants: the band (see KeyRange); ignored otherwise
         window_right: Int32,
@@ -227,6 +242,7 @@ class FlashFwdSm90:
         num_tiles = num_m_blocks * num_heads * batch
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mO, mO, mLSE, mTileCounter, mSeqInfoQ, mSeqInfoK, batch,
+            mMask, mMaskBlocks, mMaskRange, 1.0 / softmax_scale,
             tma_q, tma_k, tma_v, tma_o,
             tiled_mma_qk, tiled_mma_pv,
             q_layout, k_layout, v_layout,
@@ -261,6 +277,10 @@ class FlashFwdSm90:
         mSeqInfoQ: cute.Tensor,
         mSeqInfoK: cute.Tensor,
         num_batch: Int32,
+        mMask: cute.Tensor,
+        mMaskBlocks: cute.Tensor,
+        mMaskRange: cute.Tensor,
+        inv_scale: Float32,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -327,7 +347,7 @@ class FlashFwdSm90:
 
         # ragged entries: longest first too, so that the empty blocks of short ones run last
         scheduler = AttentionTileScheduler(
-            num_m_blocks, mQ.shape[2], num_batch, heads_per_section, self.causal or self.ragged,
+            num_m_blocks, mQ.shape[2], num_batch, heads_per_section, self.causal or self.ragged or self.masked,
             self.dynamic_schedule,
         )
         tile_source = TileSource(scheduler, pipe_tile, tile_slots, mTileCounter)
@@ -337,18 +357,19 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
-                             pipe_q, pipe_k, pipe_v, tile_source, mSeqInfoQ, mSeqInfoK,
+                             pipe_q, pipe_k, pipe_v, tile_source, mSeqInfoQ, mSeqInfoK, mMaskRange,
                              window_left, window_right)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO, mO_rows, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tile_source, scale_log2, cap_scale,
-                         mQ.shape[0], mK.shape[0], mSeqInfoQ, mSeqInfoK, window_left, window_right)
+                         mQ.shape[0], mK.shape[0], mSeqInfoQ, mSeqInfoK, mMask, mMaskBlocks, mMaskRange,
+                         inv_scale, window_left, window_right)
 
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
-                pipe_q, pipe_k, pipe_v, tile_source: TileSource, mSeqInfoQ, mSeqInfoK,
+                pipe_q, pipe_k, pipe_v, tile_source: TileSource, mSeqInfoQ, mSeqInfoK, mMaskRange,
                 window_left: Int32, window_right: Int32):
         D = self.head_dim
         scheduler = tile_source.scheduler
@@ -362,7 +383,7 @@ class FlashFwdSm90:
             head_kv = head // q_per_kv
             bounds = SeqBounds(batch, mQ.shape[0], mK.shape[0], mSeqInfoQ, mSeqInfoK, self.rows)
             if self.tile_has_rows(m_block, bounds):
-                keys = self.key_range(m_block, bounds, window_left, window_right)
+                keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch)
                 # ((TMA atom), rest) views of the smem stages and the gmem tiles
                 gQ = cute.local_tile(bounds.q_rows(mQ, head, batch), (64, D), (None, 0))
                 gK = cute.local_tile(bounds.k_rows(mK, head_kv, batch), (self.tile_n, D), (None, 0))
@@ -411,16 +432,23 @@ class FlashFwdSm90:
             return m_block * self.tile_m < bounds.seqlen_q
         return True
 
-    def key_range(self, m_block, bounds: SeqBounds, window_left: Int32, window_right: Int32) -> KeyRange:
-        return KeyRange(self.tile_m, self.tile_n, self.causal, m_block, bounds.seqlen_q, bounds.seqlen_k,
+    def key_range(self, m_block, bounds: SeqBounds, window_left: Int32, window_right: Int32,
+                  mMaskRange: cute.Tensor, head, batch) -> KeyRange:
+        keys = KeyRange(self.tile_m, self.tile_n, self.causal, m_block, bounds.seqlen_q, bounds.seqlen_k,
                         self.local, window_left, window_right)
+        if const_expr(self.masked):
+            # the attn_mask's live key blocks (no causal or window with a mask)
+            keys.n_block_min = mMaskRange[batch, head, m_block, 0]
+            keys.n_block_max = mMaskRange[batch, head, m_block, 1]
+        return keys
 
     # ------------------------------------------------------------- consumers
     @cute.jit
     def consume(self, mO, mO_rows, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                 pipe_q, pipe_k, pipe_v, tile_source: TileSource,
                 scale_log2: Float32, cap_scale: Float32, seqlen_q: Int32, seqlen_k: Int32,
-                mSeqInfoQ, mSeqInfoK, window_left: Int32, window_right: Int32):
+                mSeqInfoQ, mSeqInfoK, mMask, mMaskBlocks, mMaskRange, inv_scale: Float32,
+                window_left: Int32, window_right: Int32):
         D = self.head_dim
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -465,13 +493,19 @@ class FlashFwdSm90:
             m_block, head, batch = scheduler.coords(tile)
             bounds = SeqBounds(batch, seqlen_q, seqlen_k, mSeqInfoQ, mSeqInfoK, self.rows)
             if self.tile_has_rows(m_block, bounds):
-                keys = self.key_range(m_block, bounds, window_left, window_right)
+                keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch)
                 row_start = m_block * self.tile_m + wg * 64
                 mask = partial(mask_scores, tScS=tScS, t0ScS=t0ScS, row_start=m_block * self.tile_m,
                                seqlen_q=bounds.seqlen_q, seqlen_k=bounds.seqlen_k, local=self.local, left=window_left,
                                right=window_right)
                 if const_expr(self.softcap):
                     mask = partial(_capped_mask, mask, cap_scale)
+                if const_expr(self.masked):
+                    user_mask = partial(apply_attn_mask, tScS=tScS, mMask=mMask[batch, head, None, None],
+                                        row_start=m_block * self.tile_m, seqlen_q=bounds.seqlen_q,
+                                        seqlen_k=bounds.seqlen_k, additive=self.attn_mask == "add",
+                                        inv_scale=inv_scale)
+                    mask = partial(_user_mask, mask, user_mask)
 
                 softmax.reset()
                 acc_o.fill(0.0)
@@ -498,10 +532,24 @@ class FlashFwdSm90:
                     free_end = n_min
                     if const_expr(self.local):
                         free_end = cutlass.max(cutlass.min(keys.n_block_min_unmasked, right_end), n_min)
-                    for i in cutlass.range(right_end - free_end, unroll=1):
-                        kv_state = self.overlapped_block(
-                            kv_state, right_end - 1 - i, qk_gemm, pv_gemm, to_p, mask, False,
-                            softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
+                    if const_expr(self.masked):
+                        # attn_mask: each block as its summary says (full: no mask, else masked)
+                        blocks = mMaskBlocks[batch, head, m_block, None]
+                        for i in cutlass.range(right_end - free_end, unroll=1):
+                            n_block = right_end - 1 - i
+                            if blocks[n_block] == BLOCK_FULL:
+                                kv_state = self.overlapped_block(
+                                    kv_state, n_block, qk_gemm, pv_gemm, to_p, mask, False,
+                                    softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
+                            else:
+                                kv_state = self.overlapped_block(
+                                    kv_state, n_block, qk_gemm, pv_gemm, to_p, mask, True,
+                                    softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
+                    else:
+                        for i in cutlass.range(right_end - free_end, unroll=1):
+                            kv_state = self.overlapped_block(
+                                kv_state, right_end - 1 - i, qk_gemm, pv_gemm, to_p, mask, False,
+                                softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
                     if const_expr(self.local):
                         for i in cutlass.range(free_end - n_min, unroll=1):
                             kv_state = self.overlapped_block(
@@ -616,7 +664,7 @@ def build(spec: KernelSpec):
     dtype = _CUTE_DTYPE[spec["dtype"]]
     head_dim, causal = spec["head_dim"], spec["causal"]
     kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]), spec["local"], spec["softcap"],
-                          spec["rows"])
+                          spec["rows"], spec["attn_mask"])
 
     def bhsd(elem):
         # (B, S, H, D), any strides but the last; 16-byte aligned rows for TMA
@@ -636,5 +684,6 @@ def build(spec: KernelSpec):
     cu_seqlens = lambda: cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, cu_seqlens(), cu_seqlens(),
-                 Int32(0), Int32(0), 1.0, Int32(0), Int32(0), Float32(1.0), 132, stream)
+                 Int32(0), Int32(0), *mask_fakes(spec["attn_mask"], dtype), 1.0, Int32(0), Int32(0), Float32(1.0),
+                 132, stream)
     return kernel, fake_args

@@ -1,0 +1,32 @@
+"""The attn_mask arguments every attention variant takes (read only by masked variants).
+
+* ``mask``: PyTorch's attn_mask as a (B, H_q, S_q, S_k) view with any strides (broadcast dims
+  stride 0, nothing materialized); bool masks as uint8, additive ones in the inputs' dtype;
+* ``blocks``: its block summary at the kernel's (tile_m, tile_n), int8 ``BLOCK_*`` per
+  (batch, head, query block, key block);
+* ``ranges``: int32 (first, past-last) live block per row of the summary: the key blocks of a
+  query block (forward), the query blocks of a key block for a kv head's GQA group (backward).
+
+Unmasked variants get one-element placeholders there.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+MASK_KINDS = ("none", "bool", "add")
+
+
+def _any_strides(elem, last: int | None = None, align: int = 1):
+    shape = tuple(cute.sym_int32() for _ in range(3)) + ((cute.sym_int32(),) if last is None else (last,))
+    stride = tuple(cute.sym_int64() for _ in range(4))
+    return cute.runtime.make_fake_tensor(elem, shape, stride, assumed_align=align)
+
+
+def mask_fakes(kind: str, dtype) -> tuple:
+    """Fake (mask, blocks, ranges) for a variant whose attn_mask is ``kind``."""
+    assert kind in MASK_KINDS, kind
+    elem = dtype if kind == "add" else cutlass.Uint8
+    return (_any_strides(elem, align=elem.width // 8), _any_strides(cutlass.Int8),
+            _any_strides(cutlass.Int32, last=2, align=4))
