@@ -1,10 +1,13 @@
-"""Decode attention (one query token, GQA) through the public API beside torch's SDPA.
+"""Decode attention (GQA) through the public API beside torch's SDPA.
 
-    python bench/bench_decode.py [--rounds 3] [--out DIR]
+    python bench/bench_decode.py [--rounds 3] [--seqlen-q 1] [--out DIR]
 
-``tco.flash_attn_func(q, k_cache, v_cache, causal=True)`` with q (B, 1, H_q, D) vs
-``F.scaled_dot_product_attention`` (default backend, enable_gqa) on the same data; K/V read
-bandwidth is cache bytes / time. Medians of ``triton.testing.do_bench``, interleaved rounds.
+Providers on the same data, q (B, S_q, H_q, D): ``tco.flash_attn_func(q, k, v, causal=True)``
+(dense, the cache exactly as long as the keys); ``tco.flash_attn_with_kvcache`` on a contiguous
+cache with ``cache_seqlens`` and on the same cache as shuffled 256-token pages (``page_table``);
+``F.scaled_dot_product_attention`` (default backend, enable_gqa; with S_q > 1 its top-left
+is_causal is not the decode band, so it runs without a mask: an upper bound on its speed). K/V
+read bandwidth is cache bytes / time. Medians of ``triton.testing.do_bench``, interleaved rounds.
 """
 
 from __future__ import annotations
@@ -28,19 +31,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--seqlen-q", type=int, default=1)
+    parser.add_argument("--page-size", type=int, default=256)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     import torch_cute_ops as tco
 
     rows = []
-    print(f"{torch.cuda.get_device_name()}: one query token, D{args.head_dim}, bf16; ms and K/V GB/s")
+    print(f"{torch.cuda.get_device_name()}: {args.seqlen_q} query token(s), D{args.head_dim}, bf16; "
+          f"ms and K/V GB/s")
     for batch, seqlen_k, h_q, h_kv in SHAPES:
-        d = args.head_dim
-        q = torch.randn(batch, 1, h_q, d, device="cuda", dtype=torch.bfloat16)
+        d, page = args.head_dim, args.page_size
+        q = torch.randn(batch, args.seqlen_q, h_q, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(batch, seqlen_k, h_kv, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        lengths = torch.full((batch,), seqlen_k, dtype=torch.int32, device="cuda")
+        pages = seqlen_k // page
+        table = torch.randperm(batch * pages, device="cuda").view(batch, pages).int()
+        k_pages = torch.empty(batch * pages, page, h_kv, d, device="cuda", dtype=torch.bfloat16)
+        v_pages = torch.empty_like(k_pages)
+        k_pages[table.long().flatten()] = k.reshape(-1, page, h_kv, d)
+        v_pages[table.long().flatten()] = v.reshape(-1, page, h_kv, d)
         calls = {"tco": lambda: tco.flash_attn_func(q, k, v, causal=True),
+                 "kvcache": lambda: tco.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True),
+                 "paged": lambda: tco.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths,
+                                                              page_table=table, causal=True),
                  "torch": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)}
         times = {name: [] for name in calls}
         for _ in range(args.rounds):
@@ -49,8 +65,9 @@ def main() -> None:
         ms = {name: statistics.median(t) for name, t in times.items()}
         gbs = {name: 2 * k.numel() * 2 / (t * 1e-3) / 1e9 for name, t in ms.items()}
         rows.append({"shape": [batch, seqlen_k, h_q, h_kv], "ms": ms, "kv_gb_s": gbs})
-        print(f"B{batch:<4} keys {seqlen_k:<6} H{h_q}/{h_kv}: tco {ms['tco']:.4f} ms ({gbs['tco']:.0f} GB/s), "
-              f"torch {ms['torch']:.4f} ms ({gbs['torch']:.0f} GB/s), tco/torch speed {ms['torch'] / ms['tco']:.2f}x")
+        print(f"B{batch:<4} keys {seqlen_k:<6} H{h_q}/{h_kv}: " + ", ".join(
+            f"{name} {ms[name]:.4f} ms ({gbs[name]:.0f} GB/s)" for name in calls)
+            + f"; kvcache/torch speed {ms['torch'] / ms['kvcache']:.2f}x, paged/kvcache {ms['kvcache'] / ms['paged']:.2f}x")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(rows, indent=1))
 

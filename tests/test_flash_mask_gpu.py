@@ -11,24 +11,17 @@ import math
 
 import pytest
 import torch
+
+from attention_checks import HOPPER, close
 import torch.nn.functional as F
 
 from torch_cute_ops.reference.attention import flash_attn_bwd as ref_bwd
 from torch_cute_ops.reference.attention import flash_attn_fwd as ref_fwd
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                       reason="needs an sm_90 (Hopper) GPU"),
-]
+pytestmark = HOPPER
 
 
-def _close(name, ours, ref, rel_bound=2e-2):
-    assert not torch.isnan(ours).any(), f"{name}: NaN"
-    ours, ref = ours.float(), ref.float()
-    rel = ((ours - ref).norm() / ref.norm().clamp_min(1e-2 * ref.numel() ** 0.5)).item()
-    max_err = ((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-2)).item()
-    assert rel < rel_bound and max_err < 5 * rel_bound, f"{name}: rel {rel:.2e} max {max_err:.2e}"
+_close = close
 
 
 def padding_causal_mask(batch, seqlen, lengths, device="cuda"):

@@ -14,14 +14,12 @@ import math
 import pytest
 import torch
 
+from attention_checks import HOPPER, close
+
 from torch_cute_ops.reference.attention import flash_attn_varlen_bwd as ref_bwd
 from torch_cute_ops.reference.attention import flash_attn_varlen_fwd as ref_fwd
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                       reason="needs an sm_90 (Hopper) GPU"),
-]
+pytestmark = HOPPER
 
 SAME = None  # lens_k = lens_q
 # (head_dim, lens_q, lens_k, heads_q, heads_kv, causal, window_left, window_right, softcap)
@@ -56,14 +54,7 @@ def _inputs(head_dim, lens_q, lens_k, heads_q, heads_kv, dtype=torch.bfloat16, l
     return q, k, v, rand(sum(lens_q), heads_q).to(dtype)
 
 
-def _close(name, ours, ref, rel_bound=1.5e-2):
-    """Relative Frobenius and max errors, with an RMS floor of 1e-2 for a reference that is ~0."""
-    assert not torch.isnan(ours).any(), f"{name}: NaN (an element was not written)"
-    ours, ref = ours.float(), ref.float()
-    floor = 1e-2 * max(ref.numel(), 1) ** 0.5
-    rel = ((ours - ref).norm() / ref.norm().clamp_min(floor)).item()
-    max_err = ((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-2)).item() if ref.numel() else 0.0
-    assert rel < rel_bound and max_err < 5 * rel_bound, f"{name}: rel {rel:.2e} max {max_err:.2e}"
+_close = close
 
 
 def _run(case, dtype=torch.bfloat16):

@@ -7,6 +7,7 @@ import math
 import torch
 
 from .ops import attention as _attention
+from .ops import attention_kvcache as _attention_kvcache
 from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
 from .ops.direct import dispatcher_free
@@ -94,6 +95,39 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         out, lse = _attention_varlen.flash_attn_varlen_fwd_impl(*args)
     else:
         out, lse = torch.ops.cute.flash_attn_varlen_fwd(*args)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                            cache_seqlens: torch.Tensor | int | None = None, cache_batch_idx: torch.Tensor | None = None,
+                            page_table: torch.Tensor | None = None, softmax_scale: float | None = None,
+                            causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            return_lse: bool = False):
+    """Attention against a KV cache, FlashAttention's API (inference: not differentiable).
+
+    q is (batch, seqlen_q, heads, head_dim). The cache is (batch_cache, capacity, kv_heads,
+    head_dim), entry b in row ``cache_batch_idx[b]`` (default b), or paged, (num_pages,
+    page_size, kv_heads, head_dim) with ``page_table`` (batch, pages per entry) int32; page sizes
+    that are multiples of 64 run on the kernels. ``k``/``v`` (batch, seqlen_new, kv_heads,
+    head_dim), when given, are written into the cache in place at positions
+    ``cache_seqlens[b]`` onwards before attending. q then sees each entry's first
+    ``cache_seqlens[b] + seqlen_new`` keys (int32 tensor (batch,) or an int; None: the whole
+    capacity), with ``causal`` and ``window_size`` aligned bottom-right to them.
+    """
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    left, right = _window_bounds(window_size)
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        full = k_cache.shape[1] * (1 if page_table is None else page_table.shape[-1])
+        length = full - (0 if k is None else k.shape[1]) if cache_seqlens is None else cache_seqlens
+        cache_seqlens = torch.full((q.shape[0],), length, dtype=torch.int32, device=q.device)
+    args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, float(softmax_scale), bool(causal),
+            left, right, float(softcap))
+    if dispatcher_free(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table):
+        out, lse = _attention_kvcache.flash_attn_kvcache_impl(*args)
+    else:
+        out, lse = torch.ops.cute.flash_attn_kvcache(*args)
     return (out, lse) if return_lse else out
 
 

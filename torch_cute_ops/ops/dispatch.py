@@ -20,6 +20,7 @@ _HOSTS = {
     ("flash_attn_bwd", "sm90"): ("torch_cute_ops.runtime.attention", None),
     ("flash_attn_varlen_fwd", "sm90"): ("torch_cute_ops.runtime.attention", None),
     ("flash_attn_varlen_bwd", "sm90"): ("torch_cute_ops.runtime.attention", None),
+    ("flash_attn_kvcache", "sm90"): ("torch_cute_ops.runtime.attention", None),
 }
 
 

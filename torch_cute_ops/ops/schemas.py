@@ -28,6 +28,10 @@ SCHEMAS = {
                              "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
                              "SymInt max_seqlen_k, float softmax_scale, bool causal, SymInt? window_left=None, "
                              "SymInt? window_right=None, float softcap=0.0) -> (Tensor dq, Tensor dk, Tensor dv)",
+    "flash_attn_kvcache": "flash_attn_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, "
+                          "Tensor? v, Tensor cache_seqlens, Tensor? cache_batch_idx, Tensor? page_table, "
+                          "float softmax_scale, bool causal, SymInt? window_left=None, SymInt? window_right=None, "
+                          "float softcap=0.0) -> (Tensor out, Tensor lse)",
 }
 
 # Kernels never take the reference's CPU path, but CPU tensors must work everywhere.

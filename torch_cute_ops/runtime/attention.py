@@ -344,6 +344,25 @@ class FlashFwdLaunch:
                 softmax_scale, window_left, window_right,
                 softcap, self.grid)
 
+    def kvcache(self, q, k_cache, v_cache, key_lengths, page_table, page_size: int, out, lse, softmax_scale: float,
+                window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
+        """Attention of q (B, S_q, H_q, D) over a KV cache of pages (num_pages, page_size, H_kv, D):
+        entry b's keys are its first key_lengths[b] through page_table[b] (int32 (B, pages));
+        the plan's variant is kvcache. A contiguous cache is one page per entry."""
+        if self.no_keys:  # an empty cache
+            out.zero_()
+            lse.fill_(float("-inf"))
+            return
+        if self.group:
+            q, out, lse = packed_gqa_views(q, self.group, out, lse)
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        rows = k_cache.shape[0] * k_cache.shape[1]
+        k_rows = k_cache.reshape(1, rows, *k_cache.shape[2:])
+        v_rows = v_cache.reshape(1, rows, *v_cache.shape[2:])
+        self.fn(q, k_rows, v_rows, out, lse, counter, page_table.reshape(-1), key_lengths, page_table.shape[1],
+                page_size, *_mask_placeholders(self.device_index), softmax_scale, window_left, window_right,
+                softcap, self.grid)
+
     def packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, out, lse,
                softmax_scale: float, window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
         """Varlen: q, k, v, out (total, H, D), lse (H, total_q); the plan's variant is packed."""
@@ -354,6 +373,17 @@ class FlashFwdLaunch:
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         self.fn(q[None], k[None], v[None], out[None], lse[None], counter, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k, *_mask_placeholders(self.device_index), softmax_scale, window_left, window_right, softcap, self.grid)
+
+
+def kvcache_config(head_dim: int, page_size: int | None) -> FwdConfig | str:
+    """The tiles of a KV-cache variant: key blocks must not straddle pages, so the key tile
+    divides the page size (64 when the default does not); or the reason none fits."""
+    config = config_for(head_dim, False, ragged=True)
+    if page_size is None or page_size % config.tile_n == 0:
+        return config
+    if page_size % 64 == 0:
+        return dataclasses.replace(config, tile_n=64)
+    return f"page_size {page_size}: the kernels need a multiple of 64 (or of {config.tile_n})"
 
 
 def _fwd_mask_summary(attn_mask, seqlen_q: int, seqlen_k: int, tiles: tuple[int, int]):
@@ -396,8 +426,8 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     # one query token with grouped kv heads: the group's heads as rows of one tile, dense band
     dense = rows == "dense"
     unmasked = attn_mask == "none"
-    group = (q.shape[2] // k.shape[2] if q.shape[1] == 1 and dense and unmasked and not local
-             and k.shape[2] < q.shape[2] else 0)
+    group = (q.shape[2] // k.shape[2] if q.shape[1] == 1 and rows in ("dense", "kvcache") and unmasked
+             and not local and k.shape[2] < q.shape[2] else 0)
     causal = causal and not group
     head_dim = q.shape[-1]
     config = config or config_for(head_dim, causal, not packed and k.shape[1] <= SHORT_CAUSAL_KEYS,

@@ -11,7 +11,13 @@ coordinate tensors or plain gmem) and per-query statistics as (S, H, B). The row
 * ``"padded"``: (B, S, H, D) inputs whose entry ``b`` has real keys only in
   ``[info_q[b], info_k[b])`` (a padded batch, left or right); its queries are aligned with the
   keys bottom-right (query ``i`` sits at key position ``i + S_k - S_q``), so the real query rows
-  are those whose position falls in that range.
+  are those whose position falls in that range;
+* ``"kvcache"``: dense queries (B, S_q, H, D), all real, against a KV cache of pages: k and v are
+  (1, pages * page_size, H, D), ``info_q`` the page table flattened (B * pages_per_entry) and
+  ``info_k`` the key lengths (B,); entry ``b``'s key ``j`` is row ``page_table[b, j // page_size]
+  * page_size + j % page_size`` (a contiguous cache is one page per entry). Queries align with
+  the entry's keys bottom-right. Key blocks never straddle pages (page_size % tile_n == 0, or one
+  page per entry, whose blocks past the end are masked).
 
 A kernel sees an entry as an (S, D) slab starting at its first real row (a domain offset), so
 tile arithmetic is the dense one. A tile that runs past the entry's end reads rows that are not
@@ -34,7 +40,7 @@ from cutlass import Int32, const_expr
 from .flash_common import DslState
 
 
-ROW_LAYOUTS = ("dense", "packed", "padded")
+ROW_LAYOUTS = ("dense", "packed", "padded", "kvcache")
 
 
 class SeqBounds(DslState):
@@ -42,13 +48,20 @@ class SeqBounds(DslState):
     ``seqlen_k`` of the keys, ``padded_offset_q`` of its statistics in the backward's padded
     copies. ``seqlen_q``/``seqlen_k``: the tensors' extents (dense, padded)."""
 
-    dynamic_fields = ("offset_q", "seqlen_q", "offset_k", "seqlen_k", "padded_offset_q")
+    dynamic_fields = ("offset_q", "seqlen_q", "offset_k", "seqlen_k", "padded_offset_q", "page_base",
+                      "page_size")
 
     def __init__(self, batch, seqlen_q, seqlen_k, info_q: cute.Tensor = None, info_k: cute.Tensor = None,
-                 rows: str = "dense", pad: int = 128):
+                 rows: str = "dense", pad: int = 128, pages_per_entry=0, page_size=0):
         assert rows in ROW_LAYOUTS, rows
         self.rows = rows
-        if const_expr(rows == "packed"):
+        self.page_table = info_q
+        self.page_base, self.page_size = Int32(0), Int32(0)
+        if const_expr(rows == "kvcache"):
+            self.offset_q, self.offset_k, self.padded_offset_q = Int32(0), Int32(0), Int32(0)
+            self.seqlen_q, self.seqlen_k = Int32(seqlen_q), info_k[batch]
+            self.page_base, self.page_size = batch * pages_per_entry, Int32(page_size)
+        elif const_expr(rows == "packed"):
             self.offset_q = info_q[batch]
             self.seqlen_q = info_q[batch + 1] - self.offset_q
             self.offset_k = info_k[batch]
@@ -74,6 +87,11 @@ class SeqBounds(DslState):
     def _entry(self, batch):
         return 0 if const_expr(self.rows == "packed") else batch
 
+    def key_row(self, key):
+        """kvcache: the cache row of this entry's key ``key`` (through its page)."""
+        page = self.page_table[self.page_base + key // self.page_size]
+        return page * self.page_size + key % self.page_size
+
     def _slab(self, m: cute.Tensor, offset, head, batch) -> cute.Tensor:
         if const_expr(self.rows == "dense"):
             return m[None, None, head, batch]
@@ -84,7 +102,10 @@ class SeqBounds(DslState):
         return self._slab(m, self.offset_q, head, batch)
 
     def k_rows(self, m: cute.Tensor, head, batch) -> cute.Tensor:
-        """The (S_k, D) slab of a k-like (S, D, H, B) tensor (k, v, dk, dv)."""
+        """The (S_k, D) slab of a k-like (S, D, H, B) tensor (k, v, dk, dv); kvcache: the whole
+        cache (blocks are found through :meth:`key_row`)."""
+        if const_expr(self.rows == "kvcache"):
+            return m[None, None, head, 0]
         return self._slab(m, self.offset_k, head, batch)
 
     def padded_rows(self, m: cute.Tensor, head, batch) -> cute.Tensor:

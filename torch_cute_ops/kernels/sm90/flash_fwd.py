@@ -138,7 +138,8 @@ class FlashFwdSm90:
         self.softcap = softcap  # scores soft-capped before the mask (runtime cap value)
         # where each batch entry's rows are: dense, packed (varlen) or padded (common.seqlen)
         self.rows = rows
-        self.ragged = rows != "dense"  # entries with their own lengths: tiles may be empty
+        self.ragged = rows in ("packed", "padded")  # entries with their own query rows: tiles may be empty
+        self.paged = rows == "kvcache"  # K/V blocks found through a page table
         # PyTorch's attn_mask ("bool" or "add"itive) read where its block summary says partial
         self.attn_mask = attn_mask
         self.masked = attn_mask != "none"
@@ -242,7 +243,7 @@ class FlashFwdSm90:
         num_tiles = num_m_blocks * num_heads * batch
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mO, mO, mLSE, mTileCounter, mSeqInfoQ, mSeqInfoK, batch,
-            mMask, mMaskBlocks, mMaskRange, 1.0 / softmax_scale,
+            mMask, mMaskBlocks, mMaskRange, 1.0 / softmax_scale, max_seqlen_q, max_seqlen_k,
             tma_q, tma_k, tma_v, tma_o,
             tiled_mma_qk, tiled_mma_pv,
             q_layout, k_layout, v_layout,
@@ -281,6 +282,8 @@ class FlashFwdSm90:
         mMaskBlocks: cute.Tensor,
         mMaskRange: cute.Tensor,
         inv_scale: Float32,
+        pages_per_entry: Int32,  # kvcache: the page table's row length and the page size
+        page_size: Int32,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -358,19 +361,19 @@ class FlashFwdSm90:
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
                              pipe_q, pipe_k, pipe_v, tile_source, mSeqInfoQ, mSeqInfoK, mMaskRange,
-                             window_left, window_right)
+                             window_left, window_right, pages_per_entry, page_size)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO, mO_rows, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tile_source, scale_log2, cap_scale,
                          mQ.shape[0], mK.shape[0], mSeqInfoQ, mSeqInfoK, mMask, mMaskBlocks, mMaskRange,
-                         inv_scale, window_left, window_right)
+                         inv_scale, window_left, window_right, pages_per_entry, page_size)
 
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
                 pipe_q, pipe_k, pipe_v, tile_source: TileSource, mSeqInfoQ, mSeqInfoK, mMaskRange,
-                window_left: Int32, window_right: Int32):
+                window_left: Int32, window_right: Int32, pages_per_entry: Int32, page_size: Int32):
         D = self.head_dim
         scheduler = tile_source.scheduler
         q_per_kv = mQ.shape[2] // mK.shape[2]
@@ -381,7 +384,8 @@ class FlashFwdSm90:
         while scheduler.is_valid(tile):
             m_block, head, batch = scheduler.coords(tile)
             head_kv = head // q_per_kv
-            bounds = SeqBounds(batch, mQ.shape[0], mK.shape[0], mSeqInfoQ, mSeqInfoK, self.rows)
+            bounds = SeqBounds(batch, mQ.shape[0], mK.shape[0], mSeqInfoQ, mSeqInfoK, self.rows,
+                               pages_per_entry=pages_per_entry, page_size=page_size)
             if self.tile_has_rows(m_block, bounds):
                 keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch)
                 # ((TMA atom), rest) views of the smem stages and the gmem tiles
@@ -392,9 +396,10 @@ class FlashFwdSm90:
                 tKsK, tKgK = self._tma_views(tma_k, sK, gK)
                 tVsV, tVgV = self._tma_views(tma_v, sV, gV)
                 n_min, n_max = keys.n_block_min, keys.n_block_max
+                kv_tile = partial(self.kv_tile, bounds=bounds, head_kv=head_kv)
                 if n_max > n_min:
                     pipe_k.producer_acquire(kv_state)
-                    cute.copy(tma_k, tKgK[None, n_max - 1], tKsK[None, kv_state.index],
+                    cute.copy(tma_k, kv_tile(tKgK, tma_k, sK, mK, n_max - 1), tKsK[None, kv_state.index],
                               tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
                 pipe_q.producer_acquire(q_state)
                 for w in cutlass.range_constexpr(self.num_wg):
@@ -408,13 +413,13 @@ class FlashFwdSm90:
                         v_state = kv_state.clone()
                         kv_state.advance()
                         pipe_k.producer_acquire(kv_state)
-                        cute.copy(tma_k, tKgK[None, n - 1], tKsK[None, kv_state.index],
+                        cute.copy(tma_k, kv_tile(tKgK, tma_k, sK, mK, n - 1), tKsK[None, kv_state.index],
                                   tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
                         pipe_v.producer_acquire(v_state)
-                        cute.copy(tma_v, tVgV[None, n], tVsV[None, v_state.index],
+                        cute.copy(tma_v, kv_tile(tVgV, tma_v, sV, mV, n), tVsV[None, v_state.index],
                                   tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
                     pipe_v.producer_acquire(kv_state)
-                    cute.copy(tma_v, tVgV[None, n_min], tVsV[None, kv_state.index],
+                    cute.copy(tma_v, kv_tile(tVgV, tma_v, sV, mV, n_min), tVsV[None, kv_state.index],
                               tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
             tile, tile_state = tile_source.produce_next(tile, tile_state)
@@ -425,6 +430,15 @@ class FlashFwdSm90:
         return cpasync.tma_partition(
             atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
         )
+
+    def kv_tile(self, tXgX, tma, sX, mX, n_block, bounds: SeqBounds, head_kv):
+        """The gmem TMA view of key block ``n_block``: a slice of the entry's blocks, or (paged)
+        the block's rows in its page of the cache."""
+        if const_expr(self.paged):
+            rows = cute.domain_offset((bounds.key_row(n_block * self.tile_n), 0), mX[None, None, head_kv, 0])
+            _, tXgX = self._tma_views(tma, sX, cute.local_tile(rows, (self.tile_n, self.head_dim), (None, 0)))
+            return tXgX[None, 0]
+        return tXgX[None, n_block]
 
     def tile_has_rows(self, m_block, bounds: SeqBounds):
         """Dense tiles always do; a ragged schedule covers the longest entry's blocks."""
@@ -448,7 +462,7 @@ class FlashFwdSm90:
                 pipe_q, pipe_k, pipe_v, tile_source: TileSource,
                 scale_log2: Float32, cap_scale: Float32, seqlen_q: Int32, seqlen_k: Int32,
                 mSeqInfoQ, mSeqInfoK, mMask, mMaskBlocks, mMaskRange, inv_scale: Float32,
-                window_left: Int32, window_right: Int32):
+                window_left: Int32, window_right: Int32, pages_per_entry: Int32, page_size: Int32):
         D = self.head_dim
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -491,7 +505,8 @@ class FlashFwdSm90:
         tile = scheduler.first_tile()
         while scheduler.is_valid(tile):
             m_block, head, batch = scheduler.coords(tile)
-            bounds = SeqBounds(batch, seqlen_q, seqlen_k, mSeqInfoQ, mSeqInfoK, self.rows)
+            bounds = SeqBounds(batch, seqlen_q, seqlen_k, mSeqInfoQ, mSeqInfoK, self.rows,
+                               pages_per_entry=pages_per_entry, page_size=page_size)
             if self.tile_has_rows(m_block, bounds):
                 keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch)
                 row_start = m_block * self.tile_m + wg * 64

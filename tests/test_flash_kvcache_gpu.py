@@ -1,0 +1,159 @@
+"""flash_attn_with_kvcache on the Hopper kernels: appends in place, ragged cache lengths, paged
+caches with shuffled page tables, GQA, windows, softcap, lse; CUDA-graph capture of a decode step
+replayed with new lengths; torch.compile keeps the cache write. Against a float32 reference of
+the same rounded inputs."""
+
+import pytest
+import torch
+
+from attention_checks import HOPPER, close
+
+import torch_cute_ops as tco
+from torch_cute_ops.reference.attention import flash_attn_fwd as ref_fwd
+
+pytestmark = HOPPER
+
+
+_close = close
+
+
+def _paged(cache, page_size, gen):
+    """The same cache as shuffled pages: (pages, page_size, H, D) and the (B, pages per entry) table."""
+    b, cap, h, d = cache[0].shape
+    per_entry = cap // page_size
+    order = torch.randperm(b * per_entry, device="cuda", generator=gen)
+    table = order.view(b, per_entry).int()
+    paged = []
+    for c in cache:
+        pages = torch.empty(b * per_entry, page_size, h, d, dtype=c.dtype, device="cuda")
+        pages[table.long().flatten()] = c.reshape(b * per_entry, page_size, h, d)
+        paged.append(pages)
+    return paged, table
+
+
+def _reference(q, k_cache, v_cache, lengths, causal, window, softcap):
+    outs, lses = [], []
+    left = None if window[0] < 0 else window[0]
+    for b, n in enumerate(lengths):
+        o, l = ref_fwd(q[b:b + 1].float(), k_cache[b:b + 1, :n].float(), v_cache[b:b + 1, :n].float(),
+                       q.shape[-1] ** -0.5, causal, left, None, softcap)
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs), torch.cat(lses)
+
+
+# (batch, seqlen_q, heads_q, heads_kv, capacity, page_size or None, causal, window_left, softcap)
+CASES = [
+    (4, 1, 32, 8, 2048, None, True, -1, 0.0),
+    (4, 1, 32, 8, 2048, 256, True, -1, 0.0),
+    (3, 4, 16, 4, 1024, 64, True, -1, 0.0),
+    (2, 16, 8, 8, 1024, 128, True, 100, 0.0),
+    (3, 1, 8, 1, 512, 128, False, -1, 30.0),
+    (2, 7, 8, 2, 640, None, True, 200, 20.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"b{c[0]}-sq{c[1]}-h{c[2]}/{c[3]}-cap{c[4]}-page{c[5]}-w{c[7]}-cap{c[8]:g}"
+                                             for c in CASES])
+def test_append_then_attend(case):
+    batch, s_q, h_q, h_kv, cap, page, causal, left, softcap = case
+    gen = torch.Generator(device="cuda").manual_seed(cap + s_q)
+    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).bfloat16()  # noqa: E731
+    k_cache, v_cache = rand(batch, cap, h_kv, 128), rand(batch, cap, h_kv, 128)
+    q, k, v = rand(batch, s_q, h_q, 128), rand(batch, s_q, h_kv, 128), rand(batch, s_q, h_kv, 128)
+    lengths = [0, cap - s_q, 1, 257][:batch]  # ragged: empty, full, short, odd
+    lengths[0] = 0
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lengths):
+        expected_k[b, n:n + s_q], expected_v[b, n:n + s_q] = k[b], v[b]
+    window = (left, 0 if causal else -1)
+    if page is None:
+        caches, table = (k_cache, v_cache), None
+    else:
+        caches, table = _paged((k_cache, v_cache), page, gen)
+    tco.ops.fallback.reset()
+    out, lse = tco.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=cache_seqlens, page_table=table,
+                                           causal=causal, window_size=window, softcap=softcap, return_lse=True)
+    assert not tco.fallback_counts(), tco.fallback_counts()
+    if table is None:
+        assert torch.equal(caches[0], expected_k) and torch.equal(caches[1], expected_v), "append"
+    else:
+        assert torch.equal(caches[0][table.long()].flatten(1, 2), expected_k), "paged append"
+    ref_out, ref_lse = _reference(q, expected_k, expected_v, [n + s_q for n in lengths], causal, window, softcap)
+    _close("out", out, ref_out)
+    _close("lse", lse, ref_lse, 1e-3)
+
+
+def test_poisoned_outputs_are_written():
+    from torch_cute_ops.runtime import attention as flash_host
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(3, 2, 16, 128, device="cuda", generator=gen).bfloat16()
+    k_cache = torch.randn(3, 700, 4, 128, device="cuda", generator=gen).bfloat16()
+    lengths = torch.tensor([0, 5, 700], dtype=torch.int32, device="cuda")
+    table = torch.arange(3, dtype=torch.int32, device="cuda")[:, None]
+    plan = flash_host.plan_fwd(q, k_cache.reshape(1, -1, 4, 128), k_cache.reshape(1, -1, 4, 128), True,
+                               flash_host.kvcache_config(128, None), rows="kvcache")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((3, 16, 2), float("nan"), device="cuda")
+    plan.kvcache(q, k_cache, k_cache, lengths, table, 700, out, lse, 128 ** -0.5)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = _reference(q, k_cache, k_cache, [0, 5, 700], True, (-1, 0), 0.0)
+    assert (out[0] == 0).all() and torch.isinf(lse[0]).all(), "an empty cache attends to nothing"
+    _close("out", out[1:], ref_out[1:])
+
+
+def test_cuda_graph_decode_step_replays_with_new_lengths():
+    """A decode step (append one token, attend) captured once, replayed as the lengths grow."""
+    batch, h_q, h_kv, cap = 4, 32, 8, 1024
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    k_cache = torch.zeros(batch, cap, h_kv, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    q = torch.empty(batch, 1, h_q, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.empty(batch, 1, h_kv, 128, device="cuda", dtype=torch.bfloat16), \
+        torch.empty(batch, 1, h_kv, 128, device="cuda", dtype=torch.bfloat16)
+    cache_seqlens = torch.tensor([3, 100, 0, 500], dtype=torch.int32, device="cuda")
+
+    def step():
+        return tco.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, causal=True)
+
+    for t in (q, k, v):
+        t.copy_(torch.randn(t.shape, device="cuda", generator=gen))
+    step()  # warm-up: plans, compiles
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        cache_seqlens += 1
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, device="cuda", generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        lengths = (cache_seqlens + 1).tolist()
+        for b, n in enumerate(lengths):
+            assert torch.equal(k_cache[b, n - 1], k[b, 0]), "the replayed step appended at the new length"
+        ref_out, _ = _reference(q, k_cache, v_cache, lengths, True, (-1, 0), 0.0)
+        _close("replayed out", out, ref_out)
+
+
+def test_compiled_decode_step_keeps_the_cache_write():
+    batch, cap = 2, 512
+    k_cache = torch.zeros(batch, cap, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    q = torch.randn(batch, 1, 8, 128, device="cuda").bfloat16()
+    k, v = torch.randn(batch, 1, 2, 128, device="cuda").bfloat16(), torch.randn(batch, 1, 2, 128, device="cuda").bfloat16()
+
+    def step(q, k_cache, v_cache, k, v, lengths):
+        return tco.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for n in (7, 8, 300):
+        lengths = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+        out = compiled(q, k_cache, v_cache, k, v, lengths)
+        assert torch.equal(k_cache[:, n], k[:, 0]) and torch.equal(v_cache[:, n], v[:, 0])
+        ref_out, _ = _reference(q, k_cache, v_cache, [n + 1] * batch, True, (-1, 0), 0.0)
+        _close("compiled out", out, ref_out)

@@ -1,0 +1,64 @@
+"""flash_attn_with_kvcache in the op layer on the CPU: append semantics, paged = contiguous,
+fake function and opcheck (the op declares its cache mutation), named errors."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import torch_cute_ops as tco
+
+
+def _setup(batch=3, s_q=2, h_q=4, h_kv=2, cap=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    return (rand(batch, s_q, h_q, 16), rand(batch, cap, h_kv, 16), rand(batch, cap, h_kv, 16),
+            rand(batch, s_q, h_kv, 16), rand(batch, s_q, h_kv, 16))
+
+
+def test_append_in_place_then_attend_to_each_entrys_keys():
+    q, k_cache, v_cache, k, v = _setup()
+    before = k_cache.clone()
+    lengths = torch.tensor([0, 7, 30], dtype=torch.int32)
+    out = tco.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True)
+    for b, n in enumerate(lengths.tolist()):
+        assert torch.equal(k_cache[b, n:n + 2], k[b]) and torch.equal(k_cache[b, :n], before[b, :n])
+        dense = tco.flash_attn_func(q[b:b + 1], k_cache[b:b + 1, :n + 2], v_cache[b:b + 1, :n + 2], causal=True)
+        torch.testing.assert_close(out[b], dense[0])
+
+
+def test_int_lengths_and_cache_batch_idx():
+    q, k_cache, v_cache, _, _ = _setup()
+    idx = torch.tensor([2, 0, 1], dtype=torch.int32)
+    out = tco.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=9, cache_batch_idx=idx)
+    for b in range(3):
+        dense = tco.flash_attn_func(q[b:b + 1], k_cache[idx[b]:idx[b] + 1, :9], v_cache[idx[b]:idx[b] + 1, :9])
+        torch.testing.assert_close(out[b], dense[0])
+
+
+def test_fake_and_opcheck():
+    q, k_cache, v_cache, k, v = _setup()
+    lengths = torch.tensor([1, 2, 3], dtype=torch.int32)
+    args = (q, k_cache, v_cache, k, v, lengths, None, None, 0.25, True)
+    real = torch.ops.cute.flash_attn_kvcache(*(t.clone() if isinstance(t, torch.Tensor) else t for t in args))
+    with FakeTensorMode() as mode:
+        fake = torch.ops.cute.flash_attn_kvcache(*(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                                                   for t in args))
+    for f, r in zip(fake, real):
+        assert (f.shape, f.dtype) == (r.shape, r.dtype)
+    torch.library.opcheck(torch.ops.cute.flash_attn_kvcache.default, args)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(cache_seqlens=torch.tensor([0, 7, 31], dtype=torch.int32)), "past the cache's capacity"),
+    (dict(cache_seqlens=torch.tensor([0, 7, 30])), "cache_seqlens: expected an int32 tensor"),
+    (dict(k=None), "k, v: give both"),
+    (dict(cache_batch_idx=torch.tensor([0, 1, 3], dtype=torch.int32)), "cache_batch_idx: entries must index"),
+    (dict(k=torch.randn(3, 2, 4, 16, dtype=torch.float64)), "k: expected shape"),
+])
+def test_named_errors(change, match):
+    q, k_cache, v_cache, k, v = _setup()
+    call = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                cache_seqlens=torch.tensor([0, 7, 30], dtype=torch.int32))
+    call.update(change)
+    with pytest.raises(ValueError, match=match):
+        tco.flash_attn_with_kvcache(**call)
