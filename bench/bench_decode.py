@@ -8,6 +8,9 @@ cache with ``cache_seqlens`` and on the same cache as shuffled 256-token pages (
 ``F.scaled_dot_product_attention`` (default backend, enable_gqa; with S_q > 1 its top-left
 is_causal is not the decode band, so it runs without a mask: an upper bound on its speed). K/V
 read bandwidth is cache bytes / time. Medians of ``triton.testing.do_bench``, interleaved rounds.
+A decode step is microseconds of GPU work, so host time per call shows in eager timings; the
+"graph" columns replay the same call captured in a CUDA graph (as serving loops run it): GPU
+time only, for kvcache and torch.
 """
 
 from __future__ import annotations
@@ -25,6 +28,16 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = [(8, 4096, 32, 8), (64, 2048, 32, 8), (1, 32768, 32, 8), (64, 4096, 64, 8), (256, 1024, 32, 8)]
+
+
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (after a warm-up call); returns the replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def main() -> None:
@@ -58,6 +71,8 @@ def main() -> None:
                  "paged": lambda: tco.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths,
                                                               page_table=table, causal=True),
                  "torch": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)}
+        calls["kvcache graph"] = graphed(calls["kvcache"])
+        calls["torch graph"] = graphed(calls["torch"])
         times = {name: [] for name in calls}
         for _ in range(args.rounds):
             for name, fn in calls.items():
@@ -67,7 +82,8 @@ def main() -> None:
         rows.append({"shape": [batch, seqlen_k, h_q, h_kv], "ms": ms, "kv_gb_s": gbs})
         print(f"B{batch:<4} keys {seqlen_k:<6} H{h_q}/{h_kv}: " + ", ".join(
             f"{name} {ms[name]:.4f} ms ({gbs[name]:.0f} GB/s)" for name in calls)
-            + f"; kvcache/torch speed {ms['torch'] / ms['kvcache']:.2f}x, paged/kvcache {ms['kvcache'] / ms['paged']:.2f}x")
+            + f"; kvcache/torch speed {ms['torch'] / ms['kvcache']:.2f}x (graphs {ms['torch graph'] / ms['kvcache graph']:.2f}x),"
+            f" paged/kvcache {ms['kvcache'] / ms['paged']:.2f}x")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(rows, indent=1))
 

@@ -157,3 +157,33 @@ def test_compiled_decode_step_keeps_the_cache_write():
         assert torch.equal(k_cache[:, n], k[:, 0]) and torch.equal(v_cache[:, n], v[:, 0])
         ref_out, _ = _reference(q, k_cache, v_cache, [n + 1] * batch, True, (-1, 0), 0.0)
         _close("compiled out", out, ref_out)
+
+
+@pytest.mark.parametrize("s_q,page", [(1, None), (1, 256), (4, None), (3, 64)])
+def test_split_kv_on_a_long_cache(s_q, page):
+    """Few tiles against many keys: the keys are split over CTAs (flash-decoding) and combined;
+    the plan must choose a split here, and the result matches the reference."""
+    from torch_cute_ops.runtime import attention as flash_host
+
+    # few tiles: 2 x 8 kv heads (pack-GQA) for one token, 2 x 16 query heads for several
+    batch, h_q, h_kv, cap = 2, 32 if s_q == 1 else 16, 8, 32768
+    gen = torch.Generator(device="cuda").manual_seed(11 + s_q)
+    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).bfloat16()  # noqa: E731
+    k_cache, v_cache = rand(batch, cap, h_kv, 128), rand(batch, cap, h_kv, 128)
+    q = rand(batch, s_q, h_q, 128)
+    lengths = [cap, 20001]
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    caches, table = ((k_cache, v_cache), None) if page is None else _paged((k_cache, v_cache), page, gen)
+    plan = flash_host.plan_fwd(q, k_cache.reshape(1, -1, h_kv, 128), k_cache.reshape(1, -1, h_kv, 128), True,
+                               flash_host.kvcache_config(128, page), rows="kvcache", keys_per_entry=cap)
+    assert plan.splits > 1, "a long cache with few tiles should split"
+    tco.ops.fallback.reset()
+    out, lse = tco.flash_attn_with_kvcache(q, *caches, cache_seqlens=cache_seqlens, page_table=table, causal=True,
+                                           return_lse=True)
+    assert not tco.fallback_counts()
+    ref_out, ref_lse = _reference(q, k_cache, v_cache, lengths, True, (-1, 0), 0.0)
+    _close("out", out, ref_out)
+    _close("lse", lse, ref_lse, 1e-3)
+    # the dense decode path (flash_attn_func) splits the same way
+    dense = tco.flash_attn_func(q[:1], k_cache[:1], v_cache[:1], causal=True)
+    _close("dense split", dense, ref_out[:1])

@@ -188,6 +188,7 @@ def test_decode_plan_runs_the_dense_kernel_on_packed_views(monkeypatch):
     monkeypatch.setattr(flash_host, "num_sms", lambda index: 132)
     monkeypatch.setattr(flash_host, "_unused_counter", lambda index: torch.zeros(1, dtype=torch.int32))
     monkeypatch.setattr(flash_host, "_mask_placeholders", lambda index: (None, None, None))
+    monkeypatch.setattr(flash_host, "_split_placeholders", lambda index, head_dim: (None, None, 1))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     q, k = torch.randn(2, 1, 8, 64).bfloat16(), torch.randn(2, 300, 2, 64).bfloat16()
     out, lse = torch.empty_like(q), torch.empty(2, 8, 1)

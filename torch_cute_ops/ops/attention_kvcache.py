@@ -15,6 +15,7 @@ step), skipped during CUDA-graph capture and under tracing.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -123,6 +124,12 @@ def _reference(q, k_cache, v_cache, key_lengths, page_table, softmax_scale, caus
     return torch.cat(outs), torch.cat(lses)
 
 
+@functools.lru_cache(maxsize=64)
+def _identity_pages(batch: int, device: torch.device) -> torch.Tensor:
+    """Entry b's one page is cache row b (made once per batch size and device)."""
+    return torch.arange(batch, device=device, dtype=torch.int32)[:, None]
+
+
 def _outputs_like(q):
     b, s, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=reference.compute_dtype(q.dtype))
@@ -144,7 +151,8 @@ def _make_plan(key, q, k_cache, v_cache, page_table, causal, local, softcap):
             config = host.kvcache_config(q.shape[-1], None if page_table is None else k_cache.shape[1])
             rows_view = k_cache.reshape(1, -1, *k_cache.shape[2:])
             plan = config if isinstance(config, str) else host.plan_fwd(
-                q, rows_view, rows_view, causal, config, local=local, softcap=softcap != 0.0, rows="kvcache")
+                q, rows_view, rows_view, causal, config, local=local, softcap=softcap != 0.0, rows="kvcache",
+                keys_per_entry=_capacity(k_cache, page_table))
     return _remember(_plans, key, plan)
 
 
@@ -164,9 +172,7 @@ def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         _append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)
     key_lengths = cache_seqlens if k is None else cache_seqlens + k.shape[1]
     if page_table is None:  # a contiguous cache: one page (of the whole capacity) per entry
-        rows = torch.arange(q.shape[0], device=q.device, dtype=torch.int32) if cache_batch_idx is None \
-            else cache_batch_idx
-        page_table = rows[:, None]
+        page_table = _identity_pages(q.shape[0], q.device) if cache_batch_idx is None else cache_batch_idx[:, None]
     if plan is None:
         return _outputs_like(q)
     if not isinstance(plan, str):

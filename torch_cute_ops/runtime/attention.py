@@ -107,11 +107,12 @@ def kernel_band(causal: bool, window_left, window_right, seqlen_q: int, seqlen_k
 
 def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
              arch: str = "sm_90a", local: bool = False, softcap: bool = False,
-             rows: str = "dense", attn_mask: str = "none") -> KernelSpec:
+             rows: str = "dense", attn_mask: str = "none", split_kv: bool = False) -> KernelSpec:
     config = config or config_for(head_dim, causal, ragged=rows != "dense" or attn_mask != "none")
     # the config is in the key: a new config recompiles
     return KernelSpec.make(FWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
-                           softcap=softcap, rows=rows, attn_mask=attn_mask, config=dataclasses.astuple(config))
+                           softcap=softcap, rows=rows, attn_mask=attn_mask, split_kv=split_kv,
+                           config=dataclasses.astuple(config))
 
 
 # --------------------------------------------------------------------------- backward tiles
@@ -255,6 +256,24 @@ def _kernel_mask(attn_mask, batch: int, heads: int, seqlen_q: int, seqlen_k: int
 
 
 @functools.cache
+def _split_placeholders(device_index: int, head_dim: int) -> tuple:
+    """What an unsplit forward gets for the split-KV partials it never reads."""
+    device = torch.device("cuda", device_index)
+    return (torch.zeros((1, 1, 1, head_dim), dtype=torch.float32, device=device),
+            torch.zeros((1, 1, 1), dtype=torch.float32, device=device), 1)
+
+
+def num_splits_for(tiles: int, key_blocks: int, sms: int) -> int:
+    """Split-KV (flash-decoding): how many CTAs share one tile's keys. Only when the tiles fill
+    less than a quarter of the GPU (H100, decode B8 x 4k, 64 tiles: a 3-way split was 14% slower
+    than none) and each split keeps >= 4 key blocks, so the partial O write and the combine stay
+    small beside the K/V reads; at most 32."""
+    if 4 * tiles > sms or key_blocks < 8:
+        return 1
+    return max(1, min(-(-sms // tiles), key_blocks // 4, 32))
+
+
+@functools.cache
 def _mask_placeholders(device_index: int) -> tuple:
     """What an unmasked variant gets for the (mask, blocks, ranges) it never reads."""
     device = torch.device("cuda", device_index)
@@ -291,14 +310,23 @@ class FlashFwdLaunch:
     """The forward of one input layout: writes out (B, S_q, H_q, D) and lse (B, H_q, S_q).
     ``group`` > 0: the layout is decode with GQA, run through :func:`packed_gqa_views`."""
 
-    __slots__ = ("fn", "dynamic", "device_index", "grid", "no_keys", "group", "tiles")
+    __slots__ = ("fn", "dynamic", "device_index", "grid", "no_keys", "group", "tiles", "splits")
 
     def __init__(self, spec: KernelSpec | None, dynamic: bool, device_index: int, grid: int, group: int = 0,
-                 tiles: tuple[int, int] = (0, 0)):
+                 tiles: tuple[int, int] = (0, 0), splits: int = 1):
         self.fn = None if spec is None else get_compiled(spec)
         self.no_keys = spec is None
         self.dynamic, self.device_index, self.grid, self.group = dynamic, device_index, grid, group
         self.tiles = tiles  # (tile_m, tile_n): the granularity of an attn_mask's block summary
+        self.splits = splits  # split-KV: CTAs per tile's key range (1: no split)
+
+    def _split_args(self, q) -> tuple:
+        """The split-KV partials (fresh fp32 buffers shaped like q, splits x batch) or placeholders."""
+        if self.splits == 1:
+            return _split_placeholders(self.device_index, q.shape[-1])
+        b, s, h, d = q.shape
+        return (torch.empty((self.splits * b, s, h, d), dtype=torch.float32, device=q.device),
+                torch.empty((self.splits * b, h, s), dtype=torch.float32, device=q.device), self.splits)
 
     def masked(self, q, k, v, attn_mask, out, lse, softmax_scale: float) -> None:
         """PyTorch's attn_mask (bool or additive, broadcastable to (B, H_q, S_q, S_k)); the plan's
@@ -315,7 +343,7 @@ class FlashFwdLaunch:
         m_blocks, n_blocks = blocks.shape[-2:]
         self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, _kernel_mask(attn_mask, b, h, s_q, s_k),
                 blocks.expand(b, h, m_blocks, n_blocks), ranges.expand(b, h, m_blocks, 2), softmax_scale, 0, 0,
-                0.0, self.grid)
+                0.0, self.grid, *self._split_args(q))
 
     def __call__(self, q, k, v, out, lse, softmax_scale: float, window_left: int = 0, window_right: int = 0,
                  softcap: float = 0.0) -> None:
@@ -329,7 +357,7 @@ class FlashFwdLaunch:
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.dynamic else unused
         self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right,
-                softcap, self.grid)
+                softcap, self.grid, *self._split_args(q))
 
     def padded(self, q, k, v, key_start, key_end, out, lse, softmax_scale: float, window_left: int = 0,
                window_right: int = 0, softcap: float = 0.0) -> None:
@@ -342,7 +370,7 @@ class FlashFwdLaunch:
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         self.fn(q, k, v, out, lse, counter, key_start, key_end, 0, 0, *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right,
-                softcap, self.grid)
+                softcap, self.grid, *self._split_args(q))
 
     def kvcache(self, q, k_cache, v_cache, key_lengths, page_table, page_size: int, out, lse, softmax_scale: float,
                 window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
@@ -361,7 +389,7 @@ class FlashFwdLaunch:
         v_rows = v_cache.reshape(1, rows, *v_cache.shape[2:])
         self.fn(q, k_rows, v_rows, out, lse, counter, page_table.reshape(-1), key_lengths, page_table.shape[1],
                 page_size, *_mask_placeholders(self.device_index), softmax_scale, window_left, window_right,
-                softcap, self.grid)
+                softcap, self.grid, *self._split_args(q))
 
     def packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, out, lse,
                softmax_scale: float, window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
@@ -372,7 +400,8 @@ class FlashFwdLaunch:
             return
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         self.fn(q[None], k[None], v[None], out[None], lse[None], counter, cu_seqlens_q, cu_seqlens_k,
-                max_seqlen_q, max_seqlen_k, *_mask_placeholders(self.device_index), softmax_scale, window_left, window_right, softcap, self.grid)
+                max_seqlen_q, max_seqlen_k, *_mask_placeholders(self.device_index), softmax_scale, window_left,
+                window_right, softcap, self.grid, *self._split_args(q))
 
 
 def kvcache_config(head_dim: int, page_size: int | None) -> FwdConfig | str:
@@ -404,13 +433,16 @@ def _bwd_mask_summary(attn_mask, seqlen_q: int, seqlen_k: int, tiles: tuple[int,
 
 def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
              max_ctas: int | None = None, local: bool = False, softcap: bool = False,
-             rows: str = "dense", attn_mask: str = "none") -> FlashFwdLaunch | str | None:
+             rows: str = "dense", attn_mask: str = "none", keys_per_entry: int | None = None
+             ) -> FlashFwdLaunch | str | None:
     """The forward launch for this layout and band kind (:func:`kernel_band`), the reason no
     kernel covers it, or None when there is nothing to compute. ``config`` and ``max_ctas``
     override the tiles and the persistent grid (experiments). ``rows``: "dense", "packed"
     (varlen q, k, v (total, H, D), called through :meth:`FlashFwdLaunch.packed`) or "padded"
     (called through :meth:`FlashFwdLaunch.padded`). ``attn_mask``: "none", "bool" or "add"
-    (called through :meth:`FlashFwdLaunch.masked`)."""
+    (called through :meth:`FlashFwdLaunch.masked`). ``keys_per_entry``: a kvcache entry's
+    capacity (its keys are not k's extent). Tiles too few to fill the GPU split their keys
+    (:func:`num_splits_for`)."""
     packed = rows == "packed"
     if packed:
         q, k, v = q[None], k[None], v[None]
@@ -432,9 +464,15 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     head_dim = q.shape[-1]
     config = config or config_for(head_dim, causal, not packed and k.shape[1] <= SHORT_CAUSAL_KEYS,
                                   not (dense and unmasked))
+    splits = 1
+    if rows in ("dense", "kvcache") and unmasked:
+        tile_rows, tile_heads = (group, k.shape[2]) if group else (q.shape[1], q.shape[2])
+        tiles = -(-tile_rows // config.tile_m) * tile_heads * q.shape[0]
+        splits = num_splits_for(tiles, -(-(keys_per_entry or k.shape[1]) // config.tile_n), grid)
     spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=softcap, rows=rows,
-                    attn_mask=attn_mask)
-    return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid, group, (config.tile_m, config.tile_n))
+                    attn_mask=attn_mask, split_kv=splits > 1)
+    return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid, group, (config.tile_m, config.tile_n),
+                          splits)
 
 
 class FlashBwdLaunch:

@@ -129,7 +129,7 @@ def _scores_to_p(tOrP, acc_s):
 
 class FlashFwdSm90:
     def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig, local: bool = False,
-                 softcap: bool = False, rows: str = "dense", attn_mask: str = "none"):
+                 softcap: bool = False, rows: str = "dense", attn_mask: str = "none", split_kv: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -143,6 +143,9 @@ class FlashFwdSm90:
         # PyTorch's attn_mask ("bool" or "add"itive) read where its block summary says partial
         self.attn_mask = attn_mask
         self.masked = attn_mask != "none"
+        # flash-decoding: each tile's key range split over num_splits CTAs, which store fp32
+        # partial O and lse; a combine kernel merges them
+        self.split_kv = split_kv
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
         self.num_wg = config.num_wg
@@ -182,6 +185,9 @@ class FlashFwdSm90:
         softcap: Float32,  # softcap variants: the cap; ignored otherwise
         max_ctas: Int32,
         stream: cuda.CUstream,
+        mOpart: cute.Tensor,  # split variants: (splits * B, S_q, H_q, D) fp32 partial O; else unread
+        mLSEpart: cute.Tensor,  # (splits * B, H_q, S_q) fp32 partial lse
+        num_splits: Int32,
     ):
         D = self.head_dim
         # (S, D, H, B): TMA tiles modes 0-1, heads and batch index the rest
@@ -240,9 +246,14 @@ class FlashFwdSm90:
         heads_per_section = AttentionTileScheduler.heads_per_section_for(
             seqlen_k, 2 * D * self.dtype.width // 8, num_heads * batch, self.l2_kv_mib << 20
         )
-        num_tiles = num_m_blocks * num_heads * batch
+        mO_rows, mLSE_rows, tiles_batch = mO, mLSE, batch
+        if const_expr(self.split_kv):  # (split, batch) pairs take the batch's place in the schedule
+            mO_rows, mLSE_rows = _select(mOpart, [1, 3, 2, 0]), _select(mLSEpart, [2, 1, 0])
+            tiles_batch = batch * num_splits
+        num_tiles = num_m_blocks * num_heads * tiles_batch
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mO, mO, mLSE, mTileCounter, mSeqInfoQ, mSeqInfoK, batch,
+            tma_mQ, tma_mK, tma_mV, tma_mO, mO_rows, mLSE_rows, mTileCounter, mSeqInfoQ, mSeqInfoK, tiles_batch,
+            num_splits,
             mMask, mMaskBlocks, mMaskRange, 1.0 / softmax_scale, max_seqlen_q, max_seqlen_k,
             tma_q, tma_k, tma_v, tma_o,
             tiled_mma_qk, tiled_mma_pv,
@@ -257,6 +268,11 @@ class FlashFwdSm90:
             stream=stream,
             min_blocks_per_mp=1,
         )
+        if const_expr(self.split_kv):
+            rows = cute.size(mO.shape[0]) * cute.size(mO.shape[2]) * cute.size(mO.shape[3])  # (S, D, H, B)
+            self.combine_kernel(mOpart, mLSEpart, mO, mLSE, num_splits).launch(
+                grid=[cute.ceil_div(rows, self.combine_rows_per_cta), 1, 1],
+                block=[128, 1, 1], stream=stream)
 
     def _softmax_scales(self, softmax_scale: Float32, softcap: Float32):
         """(scale_log2 of the softmax's exp2, scale of the scores before tanh when capped)."""
@@ -278,6 +294,7 @@ class FlashFwdSm90:
         mSeqInfoQ: cute.Tensor,
         mSeqInfoK: cute.Tensor,
         num_batch: Int32,
+        num_splits: Int32,
         mMask: cute.Tensor,
         mMaskBlocks: cute.Tensor,
         mMaskRange: cute.Tensor,
@@ -354,6 +371,7 @@ class FlashFwdSm90:
             self.dynamic_schedule,
         )
         tile_source = TileSource(scheduler, pipe_tile, tile_slots, mTileCounter)
+        splits = (num_batch, num_splits)  # the schedule's batch and the split count
         pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
@@ -361,19 +379,19 @@ class FlashFwdSm90:
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
                              pipe_q, pipe_k, pipe_v, tile_source, mSeqInfoQ, mSeqInfoK, mMaskRange,
-                             window_left, window_right, pages_per_entry, page_size)
+                             window_left, window_right, pages_per_entry, page_size, splits)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO, mO_rows, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tile_source, scale_log2, cap_scale,
                          mQ.shape[0], mK.shape[0], mSeqInfoQ, mSeqInfoK, mMask, mMaskBlocks, mMaskRange,
-                         inv_scale, window_left, window_right, pages_per_entry, page_size)
+                         inv_scale, window_left, window_right, pages_per_entry, page_size, splits)
 
     # -------------------------------------------------------------- producer
     @cute.jit
     def produce(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v,
                 pipe_q, pipe_k, pipe_v, tile_source: TileSource, mSeqInfoQ, mSeqInfoK, mMaskRange,
-                window_left: Int32, window_right: Int32, pages_per_entry: Int32, page_size: Int32):
+                window_left: Int32, window_right: Int32, pages_per_entry: Int32, page_size: Int32, splits):
         D = self.head_dim
         scheduler = tile_source.scheduler
         q_per_kv = mQ.shape[2] // mK.shape[2]
@@ -382,12 +400,14 @@ class FlashFwdSm90:
         tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         tile = scheduler.first_tile()
         while scheduler.is_valid(tile):
-            m_block, head, batch = scheduler.coords(tile)
+            m_block, head, slot = scheduler.coords(tile)
+            batch, split = self.split_of(slot, splits)
             head_kv = head // q_per_kv
             bounds = SeqBounds(batch, mQ.shape[0], mK.shape[0], mSeqInfoQ, mSeqInfoK, self.rows,
                                pages_per_entry=pages_per_entry, page_size=page_size)
             if self.tile_has_rows(m_block, bounds):
-                keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch)
+                keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch, split,
+                                      splits)
                 # ((TMA atom), rest) views of the smem stages and the gmem tiles
                 gQ = cute.local_tile(bounds.q_rows(mQ, head, batch), (64, D), (None, 0))
                 gK = cute.local_tile(bounds.k_rows(mK, head_kv, batch), (self.tile_n, D), (None, 0))
@@ -447,14 +467,26 @@ class FlashFwdSm90:
         return True
 
     def key_range(self, m_block, bounds: SeqBounds, window_left: Int32, window_right: Int32,
-                  mMaskRange: cute.Tensor, head, batch) -> KeyRange:
+                  mMaskRange: cute.Tensor, head, batch, split, splits) -> KeyRange:
         keys = KeyRange(self.tile_m, self.tile_n, self.causal, m_block, bounds.seqlen_q, bounds.seqlen_k,
                         self.local, window_left, window_right)
         if const_expr(self.masked):
             # the attn_mask's live key blocks (no causal or window with a mask)
             keys.n_block_min = mMaskRange[batch, head, m_block, 0]
             keys.n_block_max = mMaskRange[batch, head, m_block, 1]
+        if const_expr(self.split_kv):  # this split's share of the blocks (empty when none is left)
+            per_split = (keys.n_block_max - keys.n_block_min + splits[1] - 1) // splits[1]
+            first = keys.n_block_min + split * per_split
+            keys.n_block_min = first
+            keys.n_block_max = cutlass.max(cutlass.min(keys.n_block_max, first + per_split), first)
         return keys
+
+    def split_of(self, slot, splits) -> tuple:
+        """(batch, split) of a scheduled tile's batch slot (split-major)."""
+        if const_expr(self.split_kv):
+            batch = splits[0] // splits[1]
+            return slot % batch, slot // batch
+        return slot, 0
 
     # ------------------------------------------------------------- consumers
     @cute.jit
@@ -462,7 +494,7 @@ class FlashFwdSm90:
                 pipe_q, pipe_k, pipe_v, tile_source: TileSource,
                 scale_log2: Float32, cap_scale: Float32, seqlen_q: Int32, seqlen_k: Int32,
                 mSeqInfoQ, mSeqInfoK, mMask, mMaskBlocks, mMaskRange, inv_scale: Float32,
-                window_left: Int32, window_right: Int32, pages_per_entry: Int32, page_size: Int32):
+                window_left: Int32, window_right: Int32, pages_per_entry: Int32, page_size: Int32, splits):
         D = self.head_dim
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -504,11 +536,13 @@ class FlashFwdSm90:
         tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
         tile = scheduler.first_tile()
         while scheduler.is_valid(tile):
-            m_block, head, batch = scheduler.coords(tile)
+            m_block, head, slot = scheduler.coords(tile)
+            batch, split = self.split_of(slot, splits)
             bounds = SeqBounds(batch, seqlen_q, seqlen_k, mSeqInfoQ, mSeqInfoK, self.rows,
                                pages_per_entry=pages_per_entry, page_size=page_size)
             if self.tile_has_rows(m_block, bounds):
-                keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch)
+                keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch, split,
+                                      splits)
                 row_start = m_block * self.tile_m + wg * 64
                 mask = partial(mask_scores, tScS=tScS, t0ScS=t0ScS, row_start=m_block * self.tile_m,
                                seqlen_q=bounds.seqlen_q, seqlen_k=bounds.seqlen_k, local=self.local, left=window_left,
@@ -585,8 +619,11 @@ class FlashFwdSm90:
                     if const_expr(self.separate_o):
                         pipe_q.consumer_release(q_state)
 
-                self.epilogue(acc_o, softmax, mO, mO_rows, mLSE, sO[None, None, wg], tma_o, tiled_mma_pv,
-                              thr_pv, wg, wg_tidx, m_block, head, batch, row_start, bounds)
+                if const_expr(self.split_kv):
+                    self.epilogue_partial(acc_o, softmax, mO_rows, mLSE, thr_pv, head, slot, row_start, bounds)
+                else:
+                    self.epilogue(acc_o, softmax, mO, mO_rows, mLSE, sO[None, None, wg], tma_o, tiled_mma_pv,
+                                  thr_pv, wg, wg_tidx, m_block, head, batch, row_start, bounds)
                 if const_expr(not self.separate_o):
                     pipe_q.consumer_release(q_state)
                 q_state.advance()
@@ -672,14 +709,91 @@ class FlashFwdSm90:
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
 
 
+    @cute.jit
+    def epilogue_partial(self, acc_o, softmax: OnlineSoftmax, mOpart, mLSEpart, thr_pv, head, slot, row_start,
+                         bounds: SeqBounds):
+        """Split-KV: this split's normalized O and lse, fp32, straight from registers (decode
+        tiles are a few rows: no smem staging)."""
+        D = self.head_dim
+        out_scale, lse = softmax.finalize()
+        scale_rows(acc_o, out_scale)
+        tOcO = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((64, D))))
+        acc = acc_as_rows_cols(acc_o)
+        for r in cutlass.range_constexpr(cute.size(lse)):
+            row = row_start + tOcO[r, 0][0]
+            if row < bounds.seqlen_q:
+                if tOcO[0, 0][1] == 0:
+                    mLSEpart[row, head, slot] = lse[r]
+                for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                    mOpart[row, tOcO[r, c][1], head, slot] = acc[r, c]
+
+    combine_threads_per_row = 8
+    combine_rows_per_cta = 128 // 8
+
+    @cute.kernel
+    def combine_kernel(self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                       num_splits: Int32):
+        """out = sum_s exp(lse_s - lse) O_s with lse = log sum_s exp(lse_s): one row (b, s, h) per
+        group of threads, 8 columns per thread and step. mO/mLSE as the forward sees them:
+        (S, D, H, B) and (S, H, B); the partials (splits * B, S, H, D) and (splits * B, H, S)."""
+        per_row = self.combine_threads_per_row
+        tidx = cute.arch.thread_idx()[0]
+        row = cute.arch.block_idx()[0] * self.combine_rows_per_cta + tidx // per_row
+        lane = tidx % per_row
+        seqlen, heads, batch = mO.shape[0], mO.shape[2], mO.shape[3]
+        h = row % heads
+        s = (row // heads) % seqlen
+        b = row // (heads * seqlen)
+        if b < batch:
+            lse_max = -Float32.inf
+            for i in cutlass.range(num_splits, unroll=4):  # independent loads: keep several in flight
+                lse_max = cutlass.max(lse_max, mLSEpart[i * batch + b, h, s])
+            safe_max = 0.0 if lse_max == -Float32.inf else lse_max
+            total = Float32(0.0)
+            for i in cutlass.range(num_splits, unroll=4):
+                total += cute.math.exp2((mLSEpart[i * batch + b, h, s] - safe_max) * LOG2_E, fastmath=True)
+            lse = -Float32.inf if total == 0.0 else safe_max + cute.math.log2(total, fastmath=True) * (1.0 / LOG2_E)
+            safe_lse = 0.0 if total == 0.0 else lse
+            for k in cutlass.range_constexpr(self.head_dim // (8 * per_row) if self.head_dim % (8 * per_row) == 0
+                                             else 0):
+                chunk = lane + k * per_row
+                acc = cute.make_rmem_tensor((8,), Float32)
+                acc.fill(0.0)
+                for i in cutlass.range(num_splits, unroll=4):
+                    weight = cute.math.exp2((mLSEpart[i * batch + b, h, s] - safe_lse) * LOG2_E, fastmath=True)
+                    part = cute.local_tile(mOpart[i * batch + b, s, h, None], (8,), (chunk,)).load()
+                    acc.store(acc.load() + part * weight)
+                cute.local_tile(mO[s, None, h, b], (8,), (chunk,)).store(acc.load().to(self.dtype))
+            for col in cutlass.range_constexpr(0 if self.head_dim % (8 * per_row) == 0 else self.head_dim):
+                if col % per_row == lane:  # head dims that are not a multiple of 64: one column at a time
+                    value = Float32(0.0)
+                    for i in cutlass.range(num_splits, unroll=1):
+                        weight = cute.math.exp2((mLSEpart[i * batch + b, h, s] - safe_lse) * LOG2_E, fastmath=True)
+                        value += mOpart[i * batch + b, s, h, col] * weight
+                    mO[s, col, h, b] = value.to(self.dtype)
+            if lane == 0:
+                mLSE[s, h, b] = lse
+
+
 # ---------------------------------------------------------------------- family
+
+
+def split_fakes(head_dim: int) -> tuple:
+    """Split-KV partials (splits * B, S_q, H_q, D) and (splits * B, H_q, S_q), fp32, and the split
+    count; unsplit variants are handed placeholders."""
+    sym = cute.sym_int32
+    o_part = cute.runtime.make_fake_compact_tensor(Float32, (sym(), sym(), sym(), head_dim), stride_order=(3, 2, 1, 0),
+                                                   assumed_align=16)
+    lse_part = cute.runtime.make_fake_compact_tensor(Float32, (sym(), sym(), sym()), stride_order=(2, 1, 0),
+                                                     assumed_align=4)
+    return o_part, lse_part, Int32(1)
 
 
 def build(spec: KernelSpec):
     dtype = _CUTE_DTYPE[spec["dtype"]]
     head_dim, causal = spec["head_dim"], spec["causal"]
     kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]), spec["local"], spec["softcap"],
-                          spec["rows"], spec["attn_mask"])
+                          spec["rows"], spec["attn_mask"], spec["split_kv"])
 
     def bhsd(elem):
         # (B, S, H, D), any strides but the last; 16-byte aligned rows for TMA
@@ -700,5 +814,5 @@ def build(spec: KernelSpec):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, cu_seqlens(), cu_seqlens(),
                  Int32(0), Int32(0), *mask_fakes(spec["attn_mask"], dtype), 1.0, Int32(0), Int32(0), Float32(1.0),
-                 132, stream)
+                 132, stream, *split_fakes(head_dim))
     return kernel, fake_args
