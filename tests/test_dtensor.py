@@ -1,0 +1,260 @@
+"""DTensor sharding rules of the cute ops (torch_cute_ops.distributed), on the CPU: two gloo
+ranks spawned locally, the reference path doing the math. Each sharded call must give the
+unsharded op's result, with the expected output placements and no collective inside the op
+(DTensor found a rule that takes the inputs as placed), forward and backward."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+
+
+def _spawn(worker) -> None:
+    """Two ranks meeting through a fresh file store (no TCP port to race for)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(2, f"file://{os.path.join(tmp, 'store')}"), nprocs=2, join=True)
+
+
+def _init(rank: int, world: int, store: str) -> None:
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
+
+
+def _finish() -> None:
+    """A worker whose checks passed leaves without the interpreter's teardown: gloo's threads
+    sometimes abort it at exit ("terminate called without an active exception") after all the
+    work is done. A failed check raises before this and is reported by mp.spawn."""
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _check(name, sharded_call, full_call, expected, inputs=(), full_inputs=()):
+    """Run ``sharded_call`` under CommDebugMode: no collective, ``expected`` placements, the
+    unsharded values; with ``inputs``, gradients of sum(out * w) match too."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as comm:
+        out = sharded_call()
+    outs = out if isinstance(out, tuple) else (out,)
+    assert comm.get_total_counts() == 0, f"{name}: collectives inside the op: {comm.get_comm_counts()}"
+    for o, placement in zip(outs, expected):
+        assert tuple(o.placements) == (placement,), f"{name}: placements {o.placements}, expected {placement}"
+    full = full_call()
+    fulls = full if isinstance(full, tuple) else (full,)
+    for o, f in zip(outs, fulls):
+        torch.testing.assert_close(o.full_tensor(), f, msg=lambda m: f"{name}: {m}")
+    if inputs:
+        weight = torch.randn(fulls[0].shape, dtype=fulls[0].dtype)
+        grads = torch.autograd.grad((outs[0].full_tensor() * weight).sum(), inputs)
+        ref = torch.autograd.grad((fulls[0] * weight).sum(), full_inputs)
+        for g, r in zip(grads, ref):
+            torch.testing.assert_close(g.full_tensor(), r, msg=lambda m: f"{name} (grad): {m}")
+
+
+def _worker(rank: int, world: int, store: str) -> None:
+    _init(rank, world, store)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+        import torch_cute_ops as tco
+        import torch_cute_ops.distributed  # noqa: F401  (registers the rules)
+
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)  # the same full tensors on every rank
+        dt = lambda t, p, grad=False: distribute_tensor(t, mesh, [p]).requires_grad_(grad)  # noqa: E731
+
+        # gemm: rows, column-parallel (with bias and activation), row-parallel (partial), batch
+        a, b, bias = torch.randn(8, 6, dtype=torch.float64), torch.randn(6, 10, dtype=torch.float64), \
+            torch.randn(10, dtype=torch.float64)
+        fa, fb = a.clone().requires_grad_(), b.clone().requires_grad_()
+        da, db = dt(a, Shard(0), True), dt(b, Replicate(), True)
+        _check("gemm rows", lambda: tco.gemm(da, db), lambda: tco.gemm(fa, fb), [Shard(0)], (da, db), (fa, fb))
+        columns = (dt(a, Replicate()), dt(b, Shard(1)), dt(bias, Shard(0)))
+        _check("gemm columns", lambda: tco.gemm(*columns, "gelu_tanh"), lambda: tco.gemm(a, b, bias, "gelu_tanh"),
+               [Shard(1)])
+        contraction = (dt(a, Shard(1)), dt(b, Shard(0)))
+        _check("gemm contraction", lambda: tco.gemm(*contraction), lambda: tco.gemm(a, b), [Partial()])
+        la, lb = torch.randn(4, 8, 6, dtype=torch.float64), torch.randn(4, 6, 10, dtype=torch.float64)
+        batched = (dt(la, Shard(0)), dt(lb, Shard(0)))
+        _check("gemm batch", lambda: tco.gemm(*batched), lambda: tco.gemm(la, lb), [Shard(0)])
+
+        # attention (B, S, H, D), GQA 4/2: batch and heads, forward and backward
+        q = torch.randn(2, 9, 4, 8, dtype=torch.float64)
+        k, v = torch.randn(2, 11, 2, 8, dtype=torch.float64), torch.randn(2, 11, 2, 8, dtype=torch.float64)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        for name, dim, lse_dim in (("batch", 0, 0), ("heads", 2, 1)):
+            sharded = [dt(t, Shard(dim), True) for t in (q, k, v)]
+            _check(f"attention {name}",
+                   lambda: tco.flash_attn_func(*sharded, causal=True, window_size=(3, 0), return_lse=True),
+                   lambda: tco.flash_attn_func(*full, causal=True, window_size=(3, 0), return_lse=True),
+                   [Shard(dim), Shard(lse_dim)], tuple(sharded), tuple(full))
+        # a padded batch's key ranges follow the batch
+        start, end = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([11, 9], dtype=torch.int32)
+        by_batch = [dt(t, Shard(0)) for t in (q, k, v, start, end)]
+        _check("attention key ranges",
+               lambda: tco.flash_attn_func(*by_batch[:3], key_start=by_batch[3], key_end=by_batch[4]),
+               lambda: tco.flash_attn_func(q, k, v, key_start=start, key_end=end), [Shard(0)])
+        # SDPA's attn_mask: per batch entry (sharded with the batch), broadcast over heads
+        mask = torch.rand(2, 1, 9, 11) > 0.3
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        for name, dim, mask_placement in (("batch", 0, Shard(0)), ("heads", 1, Replicate())):
+            sharded = [dt(t, Shard(dim), True) for t in (qt, kt, vt)]
+            fulls = [t.clone().requires_grad_() for t in (qt, kt, vt)]
+            dmask = dt(mask, mask_placement)
+            _check(f"sdpa mask {name}",
+                   lambda: tco.scaled_dot_product_attention(*sharded, attn_mask=dmask, enable_gqa=True),
+                   lambda: tco.scaled_dot_product_attention(*fulls, attn_mask=mask, enable_gqa=True),
+                   [Shard(dim)], tuple(sharded), tuple(fulls))
+
+        # varlen: heads
+        cu = torch.tensor([0, 4, 4, 13], dtype=torch.int32)
+        pq, pk, pv = (torch.randn(13, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+        full = [t.clone().requires_grad_() for t in (pq, pk, pv)]
+        sharded = [dt(t, Shard(1), True) for t in (pq, pk, pv)]
+        dcu = dt(cu, Replicate())
+        _check("varlen heads",
+               lambda: tco.flash_attn_varlen_func(*sharded, dcu, dcu, 9, 9, causal=True, return_lse=True),
+               lambda: tco.flash_attn_varlen_func(*full, cu, cu, 9, 9, causal=True, return_lse=True),
+               [Shard(1), Shard(0)], tuple(sharded), tuple(full))
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    _finish()
+
+
+def test_sharding_rules_keep_inputs_in_place_and_match_the_unsharded_ops():
+    _spawn(_worker)
+
+
+class _Linear(torch.nn.Linear):
+    """nn.Linear whose forward is tco.linear (tensor-parallel styles accept nn.Linear subclasses)."""
+
+    def forward(self, x):
+        import torch_cute_ops as tco
+
+        return tco.linear(x, self.weight, self.bias)
+
+
+class _Decoder(torch.nn.Module):
+    """The README's recipe model: pre-norm blocks, GQA attention through tco's SDPA, an MLP; every
+    projection a tco.linear without bias."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, kv_heads=2, layers=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(torch.nn.ModuleDict(dict(
+            norm1=torch.nn.RMSNorm(dim), q=_Linear(dim, dim, bias=False),
+            k=_Linear(dim, kv_heads * self.head_dim, bias=False), v=_Linear(dim, kv_heads * self.head_dim, bias=False),
+            o=_Linear(dim, dim, bias=False), norm2=torch.nn.RMSNorm(dim),
+            up=_Linear(dim, 2 * dim, bias=False), down=_Linear(2 * dim, dim, bias=False),
+        )) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        import torch_cute_ops as tco
+
+        x = self.embed(ids)
+        b, s, _ = x.shape
+        for layer in self.layers:
+            h = layer["norm1"](x)
+            # -1 heads: under tensor parallelism each rank holds its share of the heads
+            q = layer["q"](h).view(b, s, -1, self.head_dim).transpose(1, 2)
+            k = layer["k"](h).view(b, s, -1, self.head_dim).transpose(1, 2)
+            v = layer["v"](h).view(b, s, -1, self.head_dim).transpose(1, 2)
+            att = tco.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + layer["o"](att.transpose(1, 2).reshape(b, s, -1))
+            x = x + layer["down"](torch.nn.functional.gelu(layer["up"](layer["norm2"](x))))
+        return self.head(x)
+
+
+def _twin_decoders():
+    """An unsharded reference decoder and a copy to shard, float64, the same weights on every rank."""
+    torch.manual_seed(0)
+    reference = _Decoder().double()
+    model = _Decoder().double()
+    model.load_state_dict(reference.state_dict())
+    return reference, model
+
+
+def tensor_parallel_plan():
+    """Column-parallel q/k/v and MLP-in, row-parallel out and MLP-out: attention runs on each rank's
+    heads (whole GQA groups when both head counts divide by the TP size)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {f"layers.{i}.{name}": (ColwiseParallel() if name in ("q", "k", "v", "up") else RowwiseParallel())
+            for i in range(2) for name in ("q", "k", "v", "o", "up", "down")}
+
+
+def _tp_worker(rank: int, world: int, store: str) -> None:
+    _init(rank, world, store)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        import torch_cute_ops as tco
+        import torch_cute_ops.distributed  # noqa: F401
+
+        reference, model = _twin_decoders()
+        parallelize_module(model, init_device_mesh("cpu", (world,)), tensor_parallel_plan())
+        ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
+        tco.ops.fallback.reset()
+        for step_model in (reference, model):
+            logits = step_model(ids)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+            loss.backward()
+            step_model.loss = loss.detach()
+        torch.testing.assert_close(model.loss, reference.loss)
+        for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters()):
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            torch.testing.assert_close(grad, r.grad, msg=lambda m: f"{name}: {m}")
+        assert not tco.fallback_counts(), tco.fallback_counts()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    _finish()
+
+
+def test_tensor_parallel_recipe_matches_one_process():
+    """The README's tensor-parallel plan over the recipe decoder: the same loss and gradients as the
+    unsharded model, with every projection and attention on the cute ops."""
+    _spawn(_tp_worker)
+
+
+def _fsdp_worker(rank: int, world: int, store: str) -> None:
+    _init(rank, world, store)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        import torch_cute_ops as tco
+        import torch_cute_ops.distributed  # noqa: F401
+
+        reference, model = _twin_decoders()
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1 + rank))  # per-rank data
+        tco.ops.fallback.reset()
+        for step_model in (reference, model):
+            logits = step_model(ids)
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters()):
+            mean = r.grad.clone()
+            dist.all_reduce(mean)
+            torch.testing.assert_close(p.grad.full_tensor(), mean / world, msg=lambda m: f"{name}: {m}")
+        assert not tco.fallback_counts(), tco.fallback_counts()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    _finish()
+
+
+def test_fsdp2_recipe_averages_the_ranks_gradients():
+    """fully_shard over the recipe decoder (each rank its own batch): the gradients are the mean of
+    the unsharded model's per-rank gradients."""
+    _spawn(_fsdp_worker)

@@ -1,0 +1,121 @@
+"""DTensor sharding rules for the ``cute`` ops: sharded inputs keep the kernels, no redistribution.
+
+    import torch_cute_ops.distributed  # registers the rules (imports torch.distributed.tensor)
+
+Kept out of ``import torch_cute_ops`` (the distributed stack costs import time). Each rule lists
+the placements an op accepts on one mesh dim; DTensor expands them over the mesh and picks the
+cheapest, so inputs already placed as below run the op on their local shards without a
+collective:
+
+* ``gemm`` (a @ b): rows of a (``Shard(M)``, output rows), columns of b (column-parallel,
+  ``Shard(N)``, bias sharded with them), the contraction dim (row-parallel: a ``Shard(K)``, b
+  ``Shard(K)``, output ``Partial`` -- only without bias and activation, which do not distribute
+  over a sum), and the batch of a batched GEMM;
+* ``flash_attn_fwd`` / ``_bwd``: the batch, or the heads (query and kv heads together: each rank
+  keeps whole GQA groups when both head counts divide by the mesh size), with key ranges and
+  attn_mask following their batch / head dims (broadcast dims stay replicated);
+* ``flash_attn_varlen_fwd`` / ``_bwd``: the heads (cu_seqlens replicated; packing does not split
+  by batch);
+* everything replicated.
+
+``flash_attn_kvcache`` mutates its cache and has no rule (DTensor inputs are not supported).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+
+cute = torch.ops.cute
+
+
+def _is_tensor(arg) -> bool:
+    return hasattr(arg, "placements") and hasattr(arg, "shape")
+
+
+def _placements(args, chosen: dict) -> list:
+    """Input placements for every positional arg: ``chosen[i]`` for tensor i, Replicate for other
+    tensors, None for non-tensors."""
+    return [chosen.get(i, Replicate()) if _is_tensor(arg) else None for i, arg in enumerate(args)]
+
+
+def _dim_or_replicate(arg, dim: int):
+    """Shard a broadcastable operand (attn_mask) along ``dim`` unless that dim is broadcast."""
+    if not _is_tensor(arg) or arg.shape[dim] == 1:
+        return Replicate()
+    return Shard(dim)
+
+
+def _all_replicated(args, outputs: int):
+    return [Replicate()] * outputs, _placements(args, {})
+
+
+# ---------------------------------------------------------------------------------------- gemm
+
+@register_sharding(cute.gemm.default)
+def _gemm_sharding(*args, **kwargs):
+    a, b = args[0], args[1]
+    bias = args[2] if len(args) > 2 else None
+    activation = args[3] if len(args) > 3 else kwargs.get("activation")
+    batched = len(a.shape) == 3
+    m_dim, k_dim_a = (1, 2) if batched else (0, 1)
+    k_dim_b, n_dim = (1, 2) if batched else (0, 1)
+    n_out = len(a.shape) - 1
+    strategies = [_all_replicated(args, 1)]
+    strategies.append(([Shard(m_dim)], _placements(args, {0: Shard(m_dim)})))            # rows
+    strategies.append(([Shard(n_out)], _placements(args, {1: Shard(n_dim), 2: Shard(0)})))  # column-parallel
+    if bias is None and activation is None:                                                # row-parallel
+        strategies.append(([Partial()], _placements(args, {0: Shard(k_dim_a), 1: Shard(k_dim_b)})))
+    if batched:
+        strategies.append(([Shard(0)], _placements(args, {0: Shard(0), 1: Shard(0)})))
+    return strategies
+
+
+# ----------------------------------------------------------------------------------- attention
+# flash_attn_fwd(q, k, v, scale, causal, window_left, window_right, softcap, key_start, key_end,
+# attn_mask); q/k/v (B, S, H, D), lse (B, H, S), key ranges (B,), attn_mask (..., H, S_q, S_k)
+
+def _dense_attention_strategies(args, tensor_dims: dict, outputs: list, mask_index: int):
+    """Batch and head strategies for the (B, S, H, D) attention ops. ``tensor_dims`` maps an arg
+    index to its (batch dim, head dim), None where it has none (key ranges have no head dim: they
+    stay replicated when heads are sharded); ``outputs`` the same for the results. The attn_mask
+    at ``mask_index`` follows its batch / head dim unless that dim is broadcast."""
+    strategies = [_all_replicated(args, len(outputs))]
+    for which in (0, 1):  # 0: batch, 1: heads
+        chosen = {i: Shard(dims[which]) if dims[which] is not None else Replicate()
+                  for i, dims in tensor_dims.items() if i < len(args)}
+        if mask_index < len(args) and _is_tensor(args[mask_index]):
+            mask = args[mask_index]
+            mask_dim = len(mask.shape) - 4 + which  # its batch or head dim, counted from the right
+            chosen[mask_index] = _dim_or_replicate(mask, mask_dim) if mask_dim >= 0 else Replicate()
+        strategies.append(([Shard(dims[which]) for dims in outputs], _placements(args, chosen)))
+    return strategies
+
+
+@register_sharding(cute.flash_attn_fwd.default)
+def _flash_attn_fwd_sharding(*args):
+    dims = {0: (0, 2), 1: (0, 2), 2: (0, 2), 8: (0, None), 9: (0, None)}  # q, k, v, key_start, key_end
+    return _dense_attention_strategies(args, dims, [(0, 2), (0, 1)], mask_index=10)
+
+
+@register_sharding(cute.flash_attn_bwd.default)
+def _flash_attn_bwd_sharding(*args):
+    # (dout, q, k, v, out, lse, scale, causal, window_left, window_right, softcap, key_start, key_end, attn_mask)
+    dims = {0: (0, 2), 1: (0, 2), 2: (0, 2), 3: (0, 2), 4: (0, 2), 5: (0, 1), 11: (0, None), 12: (0, None)}
+    return _dense_attention_strategies(args, dims, [(0, 2), (0, 2), (0, 2)], mask_index=13)
+
+
+@register_sharding(cute.flash_attn_varlen_fwd.default)
+def _flash_attn_varlen_fwd_sharding(*args):
+    # q, k, v (total, H, D), cu_seqlens replicated; out (total, H, D), lse (H, total)
+    heads = ([Shard(1), Shard(0)], _placements(args, {0: Shard(1), 1: Shard(1), 2: Shard(1)}))
+    return [_all_replicated(args, 2), heads]
+
+
+@register_sharding(cute.flash_attn_varlen_bwd.default)
+def _flash_attn_varlen_bwd_sharding(*args):
+    # dout, q, k, v, out (total, H, D), lse (H, total), cu_seqlens replicated
+    chosen = {i: Shard(1) for i in range(5)}
+    chosen[5] = Shard(0)
+    return [_all_replicated(args, 3), ([Shard(1)] * 3, _placements(args, chosen))]
