@@ -140,16 +140,21 @@ def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", loca
 
 
 def shipped(arch: str) -> list[KernelSpec]:
-    """Forward: bf16 at the common head dims; backward: bf16 and fp16 at D64/D128. Other
-    dtypes and head dims compile on first use."""
+    """Forward: bf16 at the common head dims, padded batches, KV-cache and split-KV decode at
+    D128; backward: bf16 and fp16 at D64/D128. Other variants compile on first use."""
     if arch != "sm_90a":
         return []
     fwd = [fwd_spec("bf16", h, c) for h in (64, 128, 256) for c in (False, True)]
     fwd.append(fwd_spec("bf16", 64, True, config_for(64, True, short=True)))
     fwd += [fwd_spec("bf16", h, False, local=True) for h in (64, 128, 256)]  # sliding windows
     fwd += [fwd_spec("bf16", 256, c, local=not c, softcap=True) for c in (False, True)]  # Gemma 2's layers
+    # padded batches (transformers), decode from a KV cache and long-cache decode (split-KV)
+    fwd.append(fwd_spec("bf16", 128, True, rows="padded"))
+    fwd += [fwd_spec("bf16", 128, False, rows="kvcache", split_kv=split) for split in (False, True)]
+    fwd.append(fwd_spec("bf16", 128, False, split_kv=True))
     bwd = [bwd_spec(d, h, c) for d in ("bf16", "fp16") for h in (64, 128) for c in (False, True)]
     bwd += [bwd_spec("bf16", h, False, local=True) for h in (64, 128)]
+    bwd.append(bwd_spec("bf16", 128, True, rows="padded"))
     return fwd + bwd
 
 
