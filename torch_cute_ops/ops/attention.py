@@ -88,6 +88,11 @@ def _validate_softcap(softcap) -> None:
 _MAX_PLANS = 4096
 
 
+def empty_grads(q, k, v) -> tuple:
+    """dq, dk, dv for a backward kernel to write: contiguous, shaped like q, k, v."""
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
 def _remember(plans: dict, key, plan):
     if len(plans) >= _MAX_PLANS:
         plans.clear()
@@ -255,9 +260,7 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
     if not isinstance(plan, str):
         reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
-            dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-            dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-            dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+            dq, dk, dv = empty_grads(q, k, v)
             if key_start is not None:
                 plan.padded(dout, q, k, v, out, lse.contiguous(), key_start, key_end, dq, dk, dv, softmax_scale,
                             left, right, softcap)

@@ -22,7 +22,7 @@ from ..reference import attention as reference
 from ..runtime.attention import kernel_band, pointer_reason
 from ..runtime.tma import tma_reason
 from . import checks, dispatch, fallback
-from .attention import _remember, _validate_softcap, validate_qkv_common
+from .attention import _remember, _validate_softcap, empty_grads, validate_qkv_common
 from .schemas import lib, qualname, register_impl
 
 _LAYOUT = "(total_seqlen, heads, head_dim)"
@@ -207,9 +207,7 @@ def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
     if not isinstance(plan, str):
         reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
-            dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-            dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-            dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+            dq, dk, dv = empty_grads(q, k, v)
             plan.packed(dout, q, k, v, out, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                         int(max_seqlen_k), dq, dk, dv, softmax_scale, left, right, softcap)
             return dq, dk, dv

@@ -325,6 +325,13 @@ class FlashFwdLaunch:
         self.tiles = tiles  # (tile_m, tile_n): the granularity of an attn_mask's block summary
         self.splits = splits  # split-KV: CTAs per tile's key range (1: no split)
 
+    def _attends_to_nothing(self, out, lse) -> bool:
+        """No keys at all (the plan has no kernel): every row is 0 with lse -inf."""
+        if self.no_keys:
+            out.zero_()
+            lse.fill_(float("-inf"))
+        return self.no_keys
+
     def _split_args(self, q) -> tuple:
         """The split-KV partials (fresh fp32 buffers shaped like q, splits x batch) or placeholders."""
         if self.splits == 1:
@@ -336,9 +343,7 @@ class FlashFwdLaunch:
     def masked(self, q, k, v, attn_mask, out, lse, softmax_scale: float) -> None:
         """PyTorch's attn_mask (bool or additive, broadcastable to (B, H_q, S_q, S_k)); the plan's
         variant is masked. Key blocks the mask leaves empty are never loaded."""
-        if self.no_keys:
-            out.zero_()
-            lse.fill_(float("-inf"))
+        if self._attends_to_nothing(out, lse):
             return
         (b, s_q, h, _), s_k = q.shape, k.shape[1]
         blocks, ranges = mask_summary(attn_mask, ("fwd", s_q, s_k, self.tiles), lambda: _fwd_mask_summary(
@@ -352,9 +357,7 @@ class FlashFwdLaunch:
 
     def __call__(self, q, k, v, out, lse, softmax_scale: float, window_left: int = 0, window_right: int = 0,
                  softcap: float = 0.0) -> None:
-        if self.no_keys:  # every row attends to nothing
-            out.zero_()
-            lse.fill_(float("-inf"))
+        if self._attends_to_nothing(out, lse):
             return
         if self.group:
             q, out, lse = packed_gqa_views(q, self.group, out, lse)
@@ -382,9 +385,7 @@ class FlashFwdLaunch:
         """Attention of q (B, S_q, H_q, D) over a KV cache of pages (num_pages, page_size, H_kv, D):
         entry b's keys are its first key_lengths[b] through page_table[b] (int32 (B, pages));
         the plan's variant is kvcache. A contiguous cache is one page per entry."""
-        if self.no_keys:  # an empty cache
-            out.zero_()
-            lse.fill_(float("-inf"))
+        if self._attends_to_nothing(out, lse):  # an empty cache
             return
         if self.group:
             q, out, lse = packed_gqa_views(q, self.group, out, lse)
@@ -399,9 +400,7 @@ class FlashFwdLaunch:
     def packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, out, lse,
                softmax_scale: float, window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
         """Varlen: q, k, v, out (total, H, D), lse (H, total_q); the plan's variant is packed."""
-        if self.no_keys:
-            out.zero_()
-            lse.fill_(float("-inf"))
+        if self._attends_to_nothing(out, lse):
             return
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         self.fn(q[None], k[None], v[None], out[None], lse[None], counter, cu_seqlens_q, cu_seqlens_k,
@@ -480,6 +479,15 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
                           splits)
 
 
+def _bwd_workspaces(batch: int, heads: int, stat_rows: int, accum_rows: int, head_dim: int, device) -> tuple:
+    """The backward's fp32 workspaces: delta and lse * log2(e) (batch, heads, stat_rows), padded to
+    whole query blocks, and the dQ accumulator (batch, accum_rows, heads, head_dim)."""
+    delta = torch.empty((batch, heads, stat_rows), dtype=torch.float32, device=device)
+    lse_log2 = torch.empty((batch, heads, stat_rows), dtype=torch.float32, device=device)
+    dq_accum = torch.empty((batch, accum_rows, heads, head_dim), dtype=torch.float32, device=device)
+    return delta, lse_log2, dq_accum
+
+
 class FlashBwdLaunch:
     """The backward of one input layout: writes dq, dk, dv (preallocated, contiguous)."""
 
@@ -492,10 +500,8 @@ class FlashBwdLaunch:
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, window_left: int = 0,
                  window_right: int = 0, softcap: float = 0.0) -> None:
         batch, seqlen_q, heads, head_dim = q.shape
-        padded = -(-seqlen_q // STAT_PAD) * STAT_PAD
-        delta = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
-        lse_log2 = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
-        dq_accum = torch.empty((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
+        delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
+                                                    head_dim, q.device)
         unused = _unused_counter(self.device_index)
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, unused, unused, 0, 0,
                 *_mask_placeholders(self.device_index),
@@ -509,10 +515,8 @@ class FlashBwdLaunch:
         tiles = BWD_TILES[head_dim][:2]
         blocks, ranges = mask_summary(attn_mask, ("bwd", seqlen_q, seqlen_k, tiles, kv_heads),
                                       lambda: _bwd_mask_summary(attn_mask, seqlen_q, seqlen_k, tiles, kv_heads))
-        padded = -(-seqlen_q // STAT_PAD) * STAT_PAD
-        delta = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
-        lse_log2 = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
-        dq_accum = torch.empty((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
+        delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
+                                                    head_dim, q.device)
         unused = _unused_counter(self.device_index)
         m_blocks, n_blocks = blocks.shape[-2:]
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, unused, unused, 0, 0,
@@ -525,10 +529,8 @@ class FlashBwdLaunch:
         """A padded batch (see :meth:`FlashFwdLaunch.padded`): rows that are not real get zero
         gradients. Each entry's statistics start at its first real query, in its own slot."""
         batch, seqlen_q, heads, head_dim = q.shape
-        padded = -(-seqlen_q // STAT_PAD) * STAT_PAD
-        delta = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
-        lse_log2 = torch.empty((batch, heads, padded), dtype=torch.float32, device=q.device)
-        dq_accum = torch.empty((batch, seqlen_q, heads, head_dim), dtype=torch.float32, device=q.device)
+        delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
+                                                    head_dim, q.device)
         for grad in (dq, dk, dv):
             grad.zero_()
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, key_start, key_end, 0, 0,
@@ -543,9 +545,7 @@ class FlashBwdLaunch:
         total_q, heads, head_dim = q.shape
         batch = cu_seqlens_q.shape[0] - 1
         padded = -(-(total_q + batch * STAT_PAD) // STAT_PAD) * STAT_PAD
-        delta = torch.empty((1, heads, padded), dtype=torch.float32, device=q.device)
-        lse_log2 = torch.empty((1, heads, padded), dtype=torch.float32, device=q.device)
-        dq_accum = torch.empty((1, padded, heads, head_dim), dtype=torch.float32, device=q.device)
+        delta, lse_log2, dq_accum = _bwd_workspaces(1, heads, padded, padded, head_dim, q.device)
         self.fn(dout[None], q[None], k[None], v[None], out[None], lse[None], dq[None], dk[None], dv[None],
                 delta, lse_log2, dq_accum, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 *_mask_placeholders(self.device_index),
