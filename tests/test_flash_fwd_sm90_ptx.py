@@ -100,3 +100,25 @@ def test_shipped_variants():
         o_tile = cfg.tile_m if cfg.separate_o else 0
         smem = 2 * head_dim * (cfg.tile_m + o_tile + 2 * cfg.num_stages * cfg.tile_n)
         assert smem <= 227 * 1024, (head_dim, smem)
+
+
+def test_bool_mask_is_read_as_words_under_the_gemms(tmp_path):
+    """A bool attn_mask reaches the forward bit-packed: each thread loads its rows' words of a
+    partial key block with one 16-byte load per row, before it waits on the QK GEMM (so the load
+    hides under the tensor cores), and tests bits; there is no per-score byte load."""
+    import os
+
+    from torch_cute_ops.kernels import compile_spec
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    compile_spec(flash_host.fwd_spec("bf16", 128, False, attn_mask="bool"), dump_dir=tmp_path)
+    (ptx,) = (p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    # the only byte loads are the block summary's (the first block's kind and the next one's)
+    assert len(re.findall(r"ld\.global(\.\w+)*\.[bsu]8\b", ptx)) <= 2, "per-score byte loads"
+    vector_loads = [m.start() for m in re.finditer(r"ld\.global\.v4\.b32", ptx)]
+    assert len(vector_loads) >= 2
+    # in the loop body, the words are loaded before the K barrier wait that precedes the QK WGMMA
+    first_wait_after = ptx.find("mbarrier.try_wait", vector_loads[-1])
+    first_wgmma_after = ptx.find("wgmma.mma_async", vector_loads[-1])
+    assert 0 < first_wait_after < first_wgmma_after

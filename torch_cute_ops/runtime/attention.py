@@ -228,6 +228,21 @@ def mask_blocks(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: i
     return blocks.masked_fill_(all_full, BLOCK_FULL)
 
 
+def mask_bits(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int) -> torch.Tensor:
+    """A bool attn_mask bit-packed as the forward reads it: int32 (B', H', rows, words), bit ``i``
+    of word ``w`` is key ``32 w + i`` (little-endian bytes), rows and keys padded with zeros to
+    whole (tile_m, tile_n) tiles and rows to 16 bytes. An eighth of the mask's bytes, so a
+    partial block costs each thread one vector load per row."""
+    mask = as_4d(attn_mask)
+    mask = mask.expand(mask.shape[0], mask.shape[1], seqlen_q, seqlen_k)
+    rows = -(-seqlen_q // tile_m) * tile_m
+    keys = -(-(-(-seqlen_k // tile_n) * tile_n) // 128) * 128
+    padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, keys - seqlen_k, 0, rows - seqlen_q))
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=mask.device)
+    packed = (padded.view(*padded.shape[:-1], keys // 8, 8) * weights).sum(dim=-1, dtype=torch.uint8)
+    return packed.view(torch.int32)
+
+
 def live_ranges(blocks: torch.Tensor) -> torch.Tensor:
     """int32 (..., 2): the first and past-last non-empty block along the last dim ((0, 0) if none)."""
     live = blocks != BLOCK_EMPTY
@@ -237,20 +252,20 @@ def live_ranges(blocks: torch.Tensor) -> torch.Tensor:
     return torch.stack([start, end], dim=-1).to(torch.int32)
 
 
-# id(mask) -> (weak reference, version, key, summaries): transformers hands every layer the same
-# mask tensor, and the backward gets the forward's
-_summaries: dict[int, tuple] = {}
+# (id(mask), key) -> (weak reference, version, summaries): transformers hands every layer the same
+# mask tensor, and the backward gets the forward's (the forward's and backward's summaries differ)
+_summaries: dict[tuple, tuple] = {}
 
 
 def mask_summary(attn_mask: torch.Tensor, key: tuple, make):
     """``make()``'s summary of this mask, computed once per mask tensor, version and ``key``."""
-    entry = _summaries.get(id(attn_mask))
-    if entry is not None and entry[0]() is attn_mask and entry[1] == attn_mask._version and entry[2] == key:
-        return entry[3]
+    entry = _summaries.get((id(attn_mask), key))
+    if entry is not None and entry[0]() is attn_mask and entry[1] == attn_mask._version:
+        return entry[2]
     summary = make()
     if len(_summaries) >= 64:
         _summaries.clear()
-    _summaries[id(attn_mask)] = (weakref.ref(attn_mask), attn_mask._version, key, summary)
+    _summaries[(id(attn_mask), key)] = (weakref.ref(attn_mask), attn_mask._version, summary)
     return summary
 
 
@@ -346,12 +361,13 @@ class FlashFwdLaunch:
         if self._attends_to_nothing(out, lse):
             return
         (b, s_q, h, _), s_k = q.shape, k.shape[1]
-        blocks, ranges = mask_summary(attn_mask, ("fwd", s_q, s_k, self.tiles), lambda: _fwd_mask_summary(
+        blocks, ranges, bits = mask_summary(attn_mask, ("fwd", s_q, s_k, self.tiles), lambda: _fwd_mask_summary(
             attn_mask, s_q, s_k, self.tiles))
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         unused = _unused_counter(self.device_index)
         m_blocks, n_blocks = blocks.shape[-2:]
-        self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, _kernel_mask(attn_mask, b, h, s_q, s_k),
+        mask = _kernel_mask(attn_mask, b, h, s_q, s_k) if bits is None else bits.expand(b, h, *bits.shape[2:])
+        self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, mask,
                 blocks.expand(b, h, m_blocks, n_blocks), ranges.expand(b, h, m_blocks, 2), softmax_scale, 0, 0,
                 0.0, self.grid, *self._split_args(q))
 
@@ -420,8 +436,10 @@ def kvcache_config(head_dim: int, page_size: int | None) -> FwdConfig | str:
 
 
 def _fwd_mask_summary(attn_mask, seqlen_q: int, seqlen_k: int, tiles: tuple[int, int]):
+    """Blocks, live key-block ranges, and a bool mask's bits (None for an additive one)."""
     blocks = mask_blocks(attn_mask, seqlen_q, seqlen_k, *tiles)
-    return blocks, live_ranges(blocks)
+    bits = mask_bits(attn_mask, seqlen_q, seqlen_k, *tiles) if attn_mask.dtype == torch.bool else None
+    return blocks, live_ranges(blocks), bits
 
 
 def _bwd_mask_summary(attn_mask, seqlen_q: int, seqlen_k: int, tiles: tuple[int, int], kv_heads: int):
@@ -468,6 +486,8 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     head_dim = q.shape[-1]
     config = config or config_for(head_dim, causal, not packed and k.shape[1] <= SHORT_CAUSAL_KEYS,
                                   not (dense and unmasked))
+    if attn_mask == "bool" and config.tile_n % 32:  # bit-packed: whole 32-key words per key block
+        config = dataclasses.replace(config, tile_n=config.tile_n // 32 * 32)
     splits = 1
     if rows in ("dense", "kvcache") and unmasked:
         tile_rows, tile_heads = (group, k.shape[2]) if group else (q.shape[1], q.shape[2])

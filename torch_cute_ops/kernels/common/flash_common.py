@@ -9,6 +9,8 @@
 * :func:`apply_softcap`: logit soft-capping before the mask and the softmax;
 * :func:`apply_attn_mask`: PyTorch's ``attn_mask`` (bool or additive) on the key blocks that
   its block summary marks partial (:data:`BLOCK_FULL` blocks need none, empty ones are skipped);
+  the forward reads a bool mask bit-packed instead (:func:`load_mask_words`,
+  :func:`apply_mask_words`): one vector load per row and block, issued under the GEMMs;
 * :class:`OnlineSoftmax`: running row max / row sum in fp32 with exp2 and the
   softmax scale folded into one FFMA per score;
 * :class:`AttentionTileScheduler`: a persistent scheduler (static, or dynamic with
@@ -311,6 +313,44 @@ def apply_attn_mask(acc_s: cute.Tensor, tScS: cute.Tensor, mMask: cute.Tensor, r
                     acc[r, c] = acc[r, c] + mMask[row, key].to(Float32) * inv_scale
                 else:
                     acc[r, c] = acc[r, c] if mMask[row, key] != 0 else -Float32.inf
+
+
+@cute.jit
+def load_mask_words(mBits: cute.Tensor, tScS: cute.Tensor, row_start: Int32, col_start: Int32,
+                    tile_n: cutlass.Constexpr[int]) -> cute.Tensor:
+    """A bit-packed bool mask's words for this thread's rows over one key block: (rows, tile_n /
+    32) Int32, one vector load per row. ``mBits``: this (batch, head)'s (rows, words) view, bit
+    ``i`` of word ``w`` is key ``32 w + i``, padded to whole tiles with zero bits, so no bounds
+    check is needed and keys past ``seqlen_k`` read as hidden. Issued before the QK GEMM is
+    waited on, its latency hides under the tensor cores."""
+    num_rows = cute.size(tScS, mode=[0])
+    per_row = tile_n // 32
+    words = cute.make_rmem_tensor(cute.make_layout((num_rows, per_row), stride=(per_row, 1)), Int32)
+    for r in cutlass.range_constexpr(num_rows):
+        row_words = cute.local_tile(mBits[row_start + tScS[r, 0][0], None], (per_row,), (col_start // tile_n,))
+        # rows are 16-byte aligned (mask_args), blocks as their size allows; the DSL cannot see
+        # it through the indexing
+        aligned = cute.make_ptr(Int32, row_words.iterator.toint(), cute.AddressSpace.gmem,
+                                assumed_align=math.gcd(16, 4 * per_row))
+        cute.autovec_copy(cute.make_tensor(aligned, row_words.layout), words[r, None])
+    return words
+
+
+@cute.jit
+def apply_mask_words(acc_s: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, words: cute.Tensor):
+    """A bool attn_mask from :func:`load_mask_words` on one block of scores: -inf where the bit is
+    0. A thread's columns are thread 0's plus an offset below 8 (WGMMA accumulator layout), so
+    one shift per word aligns them and every bit index is static."""
+    acc = acc_as_rows_cols(acc_s)
+    lane_cols = tScS[0, 0][1] - t0ScS[0, 0][1]
+    for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+        aligned = cute.make_rmem_tensor(cute.size(words, mode=[1]), Int32)
+        for w in cutlass.range_constexpr(cute.size(words, mode=[1])):
+            aligned[w] = words[r, w] >> lane_cols
+        for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+            col = t0ScS[r, c][1]
+            visible = (aligned[col // 32] >> (col % 32)) & 1
+            acc[r, c] = acc[r, c] if visible != 0 else -Float32.inf
 
 
 @cute.jit

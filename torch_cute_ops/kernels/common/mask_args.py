@@ -1,7 +1,10 @@
 """The attn_mask arguments every attention variant takes (read only by masked variants).
 
 * ``mask``: PyTorch's attn_mask as a (B, H_q, S_q, S_k) view with any strides (broadcast dims
-  stride 0, nothing materialized); bool masks as uint8, additive ones in the inputs' dtype;
+  stride 0, nothing materialized); bool masks as uint8, additive ones in the inputs' dtype.
+  The forward reads a bool mask bit-packed instead: int32 (B, H_q, rows, words), bit ``i`` of
+  word ``w`` is key ``32 w + i``, rows and words padded to whole tiles, words contiguous and
+  rows 16-byte aligned (one vector load per row and key block);
 * ``blocks``: its block summary at the kernel's (tile_m, tile_n), int8 ``BLOCK_*`` per
   (batch, head, query block, key block);
 * ``ranges``: int32 (first, past-last) live block per row of the summary: the key blocks of a
@@ -24,9 +27,19 @@ def _any_strides(elem, last: int | None = None, align: int = 1):
     return cute.runtime.make_fake_tensor(elem, shape, stride, assumed_align=align)
 
 
-def mask_fakes(kind: str, dtype) -> tuple:
-    """Fake (mask, blocks, ranges) for a variant whose attn_mask is ``kind``."""
+def _bit_rows():
+    shape = tuple(cute.sym_int32() for _ in range(4))
+    stride = (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(divisibility=4), 1)
+    return cute.runtime.make_fake_tensor(cutlass.Int32, shape, stride, assumed_align=16)
+
+
+def mask_fakes(kind: str, dtype, bool_as_bits: bool = False) -> tuple:
+    """Fake (mask, blocks, ranges) for a variant whose attn_mask is ``kind`` (a bool one
+    bit-packed when ``bool_as_bits``)."""
     assert kind in MASK_KINDS, kind
-    elem = dtype if kind == "add" else cutlass.Uint8
-    return (_any_strides(elem, align=elem.width // 8), _any_strides(cutlass.Int8),
-            _any_strides(cutlass.Int32, last=2, align=4))
+    if kind == "bool" and bool_as_bits:
+        mask = _bit_rows()
+    else:
+        elem = dtype if kind == "add" else cutlass.Uint8
+        mask = _any_strides(elem, align=elem.width // 8)
+    return mask, _any_strides(cutlass.Int8), _any_strides(cutlass.Int32, last=2, align=4)

@@ -44,6 +44,7 @@ from ..common.flash_common import (
     LOG2_E,
     AttentionTileScheduler,
     apply_attn_mask,
+    apply_mask_words,
     KeyRange,
     OnlineSoftmax,
     apply_softcap,
@@ -51,6 +52,7 @@ from ..common.flash_common import (
     acc_as_operand_a,
     acc_as_rows_cols,
     convert_to_16bit,
+    load_mask_words,
     mask_scores,
     scale_rows,
     tiled_wgmma,
@@ -116,10 +118,21 @@ def _capped_mask(mask, cap_scale, acc_s, **kwargs):
     mask(acc_s, **kwargs)
 
 
-def _user_mask(mask, user_mask_fn, acc_s, col_start, **kwargs):
-    """PyTorch's attn_mask values on this block, then the band and seqlen masks."""
-    user_mask_fn(acc_s, col_start=col_start)
+def _user_mask(mask, user_mask_fn, acc_s, col_start, words=None, **kwargs):
+    """PyTorch's attn_mask values on this block (a bool mask's ``words`` when prefetched), then
+    the band and seqlen masks."""
+    if words is None:
+        user_mask_fn(acc_s, col_start=col_start)
+    else:
+        user_mask_fn(acc_s, col_start=col_start, words=words)
     mask(acc_s, col_start=col_start, **kwargs)
+
+
+def _bool_mask(load_words, tScS, t0ScS, acc_s, col_start, words=None):
+    """A bit-packed bool attn_mask on this block; its words are loaded here unless prefetched."""
+    if words is None:
+        words = load_words(col_start=col_start)
+    apply_mask_words(acc_s, tScS, t0ScS, words)
 
 
 def _scores_to_p(tOrP, acc_s):
@@ -143,6 +156,7 @@ class FlashFwdSm90:
         # PyTorch's attn_mask ("bool" or "add"itive) read where its block summary says partial
         self.attn_mask = attn_mask
         self.masked = attn_mask != "none"
+        assert attn_mask != "bool" or config.tile_n % 32 == 0, "a bit-packed mask needs whole words per key block"
         # flash-decoding: each tile's key range split over num_splits CTAs, which store fp32
         # partial O and lse; a combine kernel merges them
         self.split_kv = split_kv
@@ -176,7 +190,8 @@ class FlashFwdSm90:
         mSeqInfoK: cute.Tensor,  # padded, the first and one-past-last real key (B,); dense: unread
         max_seqlen_q: Int32,  # packed: the longest sequences (grid, L2 sections)
         max_seqlen_k: Int32,
-        mMask: cute.Tensor,  # masked variants: attn_mask (B, H_q, S_q, S_k), any strides; else unread
+        mMask: cute.Tensor,  # masked variants: attn_mask (B, H_q, S_q, S_k), any strides, a bool one
+        #                      bit-packed (mask_args); else unread
         mMaskBlocks: cute.Tensor,  # its block summary (B, H_q, M blocks, N blocks) int8 (BLOCK_*)
         mMaskRange: cute.Tensor,  # (B, H_q, M blocks, 2) int32: the first and past-last live key block
         softmax_scale: Float32,
@@ -549,11 +564,15 @@ class FlashFwdSm90:
                                right=window_right)
                 if const_expr(self.softcap):
                     mask = partial(_capped_mask, mask, cap_scale)
-                if const_expr(self.masked):
+                load_words = None
+                if const_expr(self.attn_mask == "bool"):
+                    load_words = partial(load_mask_words, mMask[batch, head, None, None], tScS,
+                                         m_block * self.tile_m, tile_n=self.tile_n)
+                    mask = partial(_user_mask, mask, partial(_bool_mask, load_words, tScS, t0ScS))
+                if const_expr(self.attn_mask == "add"):
                     user_mask = partial(apply_attn_mask, tScS=tScS, mMask=mMask[batch, head, None, None],
                                         row_start=m_block * self.tile_m, seqlen_q=bounds.seqlen_q,
-                                        seqlen_k=bounds.seqlen_k, additive=self.attn_mask == "add",
-                                        inv_scale=inv_scale)
+                                        seqlen_k=bounds.seqlen_k, additive=True, inv_scale=inv_scale)
                     mask = partial(_user_mask, mask, user_mask)
 
                 softmax.reset()
@@ -582,18 +601,22 @@ class FlashFwdSm90:
                     if const_expr(self.local):
                         free_end = cutlass.max(cutlass.min(keys.n_block_min_unmasked, right_end), n_min)
                     if const_expr(self.masked):
-                        # attn_mask: each block as its summary says (full: no mask, else masked)
+                        # attn_mask: each block as its summary says (full: no mask, else masked);
+                        # the next block's kind is read one block ahead, off the critical path
                         blocks = mMaskBlocks[batch, head, m_block, None]
+                        kind = blocks[cutlass.max(right_end - 1, 0)]
                         for i in cutlass.range(right_end - free_end, unroll=1):
                             n_block = right_end - 1 - i
-                            if blocks[n_block] == BLOCK_FULL:
+                            next_kind = blocks[cutlass.max(n_block - 1, 0)]
+                            if kind == BLOCK_FULL:
                                 kv_state = self.overlapped_block(
                                     kv_state, n_block, qk_gemm, pv_gemm, to_p, mask, False,
                                     softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
                             else:
                                 kv_state = self.overlapped_block(
                                     kv_state, n_block, qk_gemm, pv_gemm, to_p, mask, True,
-                                    softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
+                                    softmax, acc_o, o_scale, pipe_k, pipe_v, wg, load_words)
+                            kind = next_kind
                     else:
                         for i in cutlass.range(right_end - free_end, unroll=1):
                             kv_state = self.overlapped_block(
@@ -632,8 +655,12 @@ class FlashFwdSm90:
     @cute.jit
     def overlapped_block(self, kv_state, n_block, qk_gemm, pv_gemm, to_p, mask,
                          masked: cutlass.Constexpr[bool], softmax: OnlineSoftmax,
-                         acc_o, o_scale, pipe_k, pipe_v, wg):
-        """S(n) = Q K(n)^T and O += P(n+1) V(n+1) in flight together, then softmax(S(n))."""
+                         acc_o, o_scale, pipe_k, pipe_v, wg, load_words=None):
+        """S(n) = Q K(n)^T and O += P(n+1) V(n+1) in flight together, then softmax(S(n)).
+        ``load_words``: a bool attn_mask's loader, issued first so its latency hides."""
+        mask_args = {}
+        if const_expr(load_words is not None):
+            mask_args = {"words": load_words(col_start=n_block * self.tile_n)}
         v_state = kv_state.clone()
         kv_state.advance()
         pipe_k.consumer_wait(kv_state)
@@ -647,7 +674,8 @@ class FlashFwdSm90:
         warpgroup.wait_group(1)
         pipe_k.consumer_release(kv_state)
         if const_expr(masked or self.softcap):  # a block on the band's edge, or capped scores
-            mask(acc_s, col_start=n_block * self.tile_n, causal=self.causal and masked, mask_seqlen=False)
+            mask(acc_s, col_start=n_block * self.tile_n, causal=self.causal and masked, mask_seqlen=False,
+                 **mask_args)
         row_scale = softmax.step(acc_s, is_first=False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
@@ -813,6 +841,6 @@ def build(spec: KernelSpec):
     cu_seqlens = lambda: cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, cu_seqlens(), cu_seqlens(),
-                 Int32(0), Int32(0), *mask_fakes(spec["attn_mask"], dtype), 1.0, Int32(0), Int32(0), Float32(1.0),
+                 Int32(0), Int32(0), *mask_fakes(spec["attn_mask"], dtype, bool_as_bits=True), 1.0, Int32(0), Int32(0), Float32(1.0),
                  132, stream, *split_fakes(head_dim))
     return kernel, fake_args

@@ -1,0 +1,76 @@
+"""The host-side summaries the masked kernels read (CPU): the block summary of an attn_mask, its
+live block ranges, and the bit-packed copy of a bool mask that the forward loads per row."""
+
+import pytest
+import torch
+
+from torch_cute_ops.runtime.attention import (
+    BLOCK_EMPTY,
+    BLOCK_FULL,
+    BLOCK_PARTIAL,
+    live_ranges,
+    mask_bits,
+    mask_blocks,
+)
+
+
+def _unpack(bits: torch.Tensor) -> torch.Tensor:
+    """int32 words -> bool keys, bit i of word w = key 32 w + i."""
+    shifts = torch.arange(32, dtype=torch.int64)
+    return ((bits.to(torch.int64)[..., None] >> shifts) & 1).flatten(-2).bool()
+
+
+@pytest.mark.parametrize("shape,seqlens,tiles", [
+    ((2, 1, 77, 203), (77, 203), (64, 32)),
+    ((100, 260), (100, 260), (128, 128)),  # 2-D, broadcast over batch and heads
+    ((1, 3, 5, 33), (5, 33), (128, 96)),
+])
+def test_bits_hold_the_mask_and_zero_padding(shape, seqlens, tiles):
+    gen = torch.Generator().manual_seed(sum(shape))
+    mask = torch.rand(shape, generator=gen) > 0.3
+    s_q, s_k = seqlens
+    bits = mask_bits(mask, s_q, s_k, *tiles)
+    tile_m, tile_n = tiles
+    rows, keys = -(-s_q // tile_m) * tile_m, -(-s_k // tile_n) * tile_n
+    assert bits.dtype == torch.int32 and bits.shape[-2] == rows and bits.shape[-1] * 32 >= keys
+    assert bits.is_contiguous() and bits.stride(-2) % 4 == 0, "rows must stay 16-byte aligned"
+    keys_visible = _unpack(bits)
+    full = mask[(None,) * (4 - mask.dim())]
+    assert torch.equal(keys_visible[..., :s_q, :s_k], full.expand(*full.shape[:2], s_q, s_k))
+    assert not keys_visible[..., s_q:, :].any() and not keys_visible[..., s_k:].any()
+
+
+def test_bits_of_a_strided_broadcast_mask():
+    """A transposed, head-broadcast view packs like its contiguous copy."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.rand(2, 1, 70, 50, generator=gen) > 0.5
+    view = base.transpose(-1, -2).expand(2, 4, 50, 70)
+    assert torch.equal(mask_bits(view, 50, 70, 64, 64), mask_bits(view.contiguous(), 50, 70, 64, 64))
+
+
+def test_blocks_and_ranges_classify_every_block():
+    s_q, s_k, tile_m, tile_n = 300, 260, 128, 128
+    i = torch.arange(s_q)[:, None]
+    j = torch.arange(s_k)[None, :]
+    mask = (j <= i - 40)[None, None]  # causal with an offset: empty, partial and full blocks
+    blocks = mask_blocks(mask, s_q, s_k, tile_m, tile_n)[0, 0]
+    for m in range(blocks.shape[0]):
+        for n in range(blocks.shape[1]):
+            tile = mask[0, 0, m * tile_m:(m + 1) * tile_m, n * tile_n:(n + 1) * tile_n]
+            expected = BLOCK_EMPTY if not tile.any() else BLOCK_FULL if tile.all() else BLOCK_PARTIAL
+            assert blocks[m, n] == expected, (m, n)
+    ranges = live_ranges(blocks)
+    for m in range(blocks.shape[0]):
+        live = [n for n in range(blocks.shape[1]) if blocks[m, n] != BLOCK_EMPTY]
+        assert tuple(ranges[m].tolist()) == ((live[0], live[-1] + 1) if live else (0, 0))
+
+
+def test_additive_blocks_are_full_only_where_the_bias_is_zero():
+    bias = torch.zeros(1, 1, 128, 256)
+    bias[..., :, 200] = 0.5
+    bias[..., 5:, 130:140] = float("-inf")
+    blocks = mask_blocks(bias, 128, 256, 128, 128)[0, 0]
+    assert blocks.tolist() == [[BLOCK_FULL, BLOCK_PARTIAL]]
+    hidden = torch.full((1, 1, 128, 256), float("-inf"))
+    hidden[..., :, :128] = 0
+    assert mask_blocks(hidden, 128, 256, 128, 128)[0, 0].tolist() == [[BLOCK_FULL, BLOCK_EMPTY]]
