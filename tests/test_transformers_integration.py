@@ -1,11 +1,14 @@
 """attn_implementation="cute" for transformers models, on CPU (the kernels' reference path):
 the registration, the mask function's contract, and models that match transformers' own eager
 attention -- causal (Llama), sliding window (Qwen2), soft-capping + window (Gemma 2), padded
-batches on either side (the ops' key ranges, no fallback), masks with holes (PyTorch's masked
-path, counted as a fallback)."""
+batches on either side (the ops' key ranges, no fallback), masks with holes (the op's attn_mask
+path; with softcap PyTorch's masked path, counted as a fallback)."""
+
+import contextlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,6 +32,24 @@ def build(kind: str, implementation: str):
         model = transformers.Gemma2ForCausalLM(config)
     model.config._attn_implementation = implementation
     return model.double().eval()
+
+
+class _CuteOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ran = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "cute":
+            self.ran.add(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def op_counter():
+    """The names of the cute ops that ran inside the block."""
+    with _CuteOps() as mode:
+        yield mode.ran
 
 
 def loss_of(model, ids, mask=None):
@@ -98,13 +119,21 @@ def test_padded_batch_runs_on_the_ops_without_a_mask(side):
         assert not tco.fallback_counts()
 
 
-def test_mask_with_holes_takes_the_masked_path_and_says_so():
+def test_mask_with_holes_runs_the_ops_attn_mask_path():
+    """Two runs of real tokens in a row: transformers' materialized mask goes to the attention op
+    (its attn_mask path), with no fallback; with softcap (Gemma 2) it takes PyTorch's and says so."""
     ids = torch.randint(0, 128, (2, 19), generator=torch.Generator().manual_seed(4))
     mask = torch.ones(2, 19, dtype=torch.long)
     mask[1, 5:8] = 0  # a hole: two runs of real tokens
     ref = loss_of(build("llama", "eager"), ids, mask)
     tco.ops.fallback.reset()
-    ours = loss_of(build("llama", "cute"), ids, mask)
+    with op_counter() as ran:
+        ours = loss_of(build("llama", "cute"), ids, mask)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    assert not tco.fallback_counts() and "flash_attn_fwd" in ran
+    ref = loss_of(build("gemma2", "eager"), ids, mask)
+    tco.ops.fallback.reset()
+    ours = loss_of(build("gemma2", "cute"), ids, mask)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
     assert [op for op, _ in tco.fallback_counts()] == ["transformers attention"]
 

@@ -17,9 +17,12 @@ is padding to honour, else None. The attention function then serves
 * padded batches (left or right padding: one run of real tokens per row) on the same kernels,
   each entry bounded by its first and one-past-last real key (``flash_attn_func``'s
   ``key_start``/``key_end``): no mask is materialized, no token is copied, padding costs nothing;
-* masks with holes (more than one run of real tokens in a row), attention dropout in training,
-  and ``output_attentions`` on PyTorch's masked path, counted and logged once as fallbacks
-  (``TORCH_CUTE_OPS_STRICT=1`` raises instead).
+* masks with holes (more than one run of real tokens in a row: packed documents) and custom 4-D
+  masks as the materialized mask that transformers builds, on the kernels' attn_mask path
+  (``scaled_dot_product_attention``: key blocks the mask hides are skipped);
+* with soft-capping such a mask, attention dropout in training, and ``output_attentions`` on
+  PyTorch's masked path, counted and logged once as fallbacks (``TORCH_CUTE_OPS_STRICT=1``
+  raises instead).
 
 Under ``torch.compile(fullgraph=True)`` everything above stays in the graph: the key ranges are
 computed from the 2-D mask with tensor ops, and the mask function never inspects mask values
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 
 from ..functional import flash_attn_func
 from ..ops import fallback
+from ..sdpa import scaled_dot_product_attention
 
 try:
     from transformers import AttentionInterface
@@ -127,12 +131,17 @@ def cute_attention_forward(module, query, key, value, attention_mask, dropout: f
     if not module.training:
         dropout = 0.0
     reason = None
-    if attention_mask is not None and attention_mask.dim() != 2:
-        reason = "a materialized 4-D mask (a padding mask with holes, or a custom mask)"
-    elif dropout > 0.0:
+    if dropout > 0.0:
         reason = "attention dropout"
     elif kwargs.get("output_attentions"):
         reason = "output_attentions"
+    elif attention_mask is not None and attention_mask.dim() != 2:
+        if softcap:
+            reason = "a materialized 4-D mask (a padding mask with holes, or a custom mask) with softcap"
+        else:  # it holds the causal band and the window already
+            out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask[..., :key.shape[-2]],
+                                               scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+            return out.transpose(1, 2), None
     if reason is None:
         bounds = {}
         if attention_mask is not None:  # a padded batch: each row's run of real keys
