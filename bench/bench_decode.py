@@ -6,11 +6,14 @@ Providers on the same data, q (B, S_q, H_q, D): ``tco.flash_attn_func(q, k, v, c
 (dense, the cache exactly as long as the keys); ``tco.flash_attn_with_kvcache`` on a contiguous
 cache with ``cache_seqlens`` and on the same cache as shuffled 256-token pages (``page_table``);
 ``F.scaled_dot_product_attention`` (default backend, enable_gqa; with S_q > 1 its top-left
-is_causal is not the decode band, so it runs without a mask: an upper bound on its speed). K/V
-read bandwidth is cache bytes / time. Medians of ``triton.testing.do_bench``, interleaved rounds.
+is_causal is not the decode band, so it runs without a mask: an upper bound on its speed);
+FlashAttention-4, when ``flash_attn.cute`` imports, through its own decode path on the same two
+caches: ``flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=cache_seqlens, causal=True)``
+with q batched (B, S_q, H, D), and the same with ``page_table`` (see ``fa4_kvcache``). K/V read
+bandwidth is cache bytes / time. Medians of ``triton.testing.do_bench``, interleaved rounds.
 A decode step is microseconds of GPU work, so host time per call shows in eager timings; the
 "graph" columns replay the same call captured in a CUDA graph (as serving loops run it): GPU
-time only, for kvcache and torch.
+time only, for kvcache, FA4 and torch. Speed ratios are the other's time / ours.
 """
 
 from __future__ import annotations
@@ -40,6 +43,30 @@ def graphed(fn):
     return graph.replay
 
 
+def load_fa4():
+    """FlashAttention-4's ``flash_attn_varlen_func``, or None (said once) when it does not import."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError as err:
+        print(f"FlashAttention-4 columns skipped: flash_attn.cute not importable ({err})")
+        return None
+    return flash_attn_varlen_func
+
+
+def fa4_kvcache(fa4_varlen, q, k_cache, v_cache, cache_seqlens, page_table=None, split_kv=False):
+    """FA4's counterpart of ``tco.flash_attn_with_kvcache(q, k_cache, v_cache,
+    cache_seqlens=cache_seqlens, page_table=page_table, causal=True)``, as a closure returning the
+    output: its varlen function takes a batched q (B, S_q, H, D), a (B, S_k, H_kv, D) cache or
+    (pages, page_size, H_kv, D) pages with ``page_table`` (B, pages) int32, and each sequence's
+    key count as ``seqused_k`` (B,) int32, causal aligned bottom-right to it. ``split_kv`` lets it
+    split the keys over CTAs (``num_splits=0``: its heuristic); on Hopper it has no split-KV
+    kernel and asserts ``num_splits == 1``.
+    """
+    kwargs = {"seqused_k": cache_seqlens, "page_table": page_table, "causal": True,
+              "num_splits": 0 if split_kv else 1}
+    return lambda: fa4_varlen(q, k_cache, v_cache, **kwargs)[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -50,6 +77,8 @@ def main() -> None:
     args = parser.parse_args()
     import torch_cute_ops as tco
 
+    fa4 = load_fa4()
+    fa4_splits = torch.cuda.get_device_capability()[0] in (10, 11)  # FA4's split-KV: Blackwell only
     rows = []
     print(f"{torch.cuda.get_device_name()}: {args.seqlen_q} query token(s), D{args.head_dim}, bf16; "
           f"ms and K/V GB/s")
@@ -71,7 +100,12 @@ def main() -> None:
                  "paged": lambda: tco.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths,
                                                               page_table=table, causal=True),
                  "torch": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)}
+        if fa4 is not None:
+            calls["fa4"] = fa4_kvcache(fa4, q, k, v, lengths, split_kv=fa4_splits)
+            calls["fa4 paged"] = fa4_kvcache(fa4, q, k_pages, v_pages, lengths, table, split_kv=fa4_splits)
         calls["kvcache graph"] = graphed(calls["kvcache"])
+        if fa4 is not None:
+            calls["fa4 graph"] = graphed(calls["fa4"])
         calls["torch graph"] = graphed(calls["torch"])
         times = {name: [] for name in calls}
         for _ in range(args.rounds):
@@ -79,11 +113,19 @@ def main() -> None:
                 times[name].append(do_bench(fn, warmup=25, rep=100, return_mode="median"))
         ms = {name: statistics.median(t) for name, t in times.items()}
         gbs = {name: 2 * k.numel() * 2 / (t * 1e-3) / 1e9 for name, t in ms.items()}
-        rows.append({"shape": [batch, seqlen_k, h_q, h_kv], "ms": ms, "kv_gb_s": gbs})
+        row = {"shape": [batch, seqlen_k, h_q, h_kv], "ms": ms, "kv_gb_s": gbs}
+        ratios = (f"kvcache/torch speed {ms['torch'] / ms['kvcache']:.2f}x (graphs "
+                  f"{ms['torch graph'] / ms['kvcache graph']:.2f}x), paged/kvcache {ms['kvcache'] / ms['paged']:.2f}x")
+        if fa4 is not None:
+            vs_fa4 = {"kvcache": ms["fa4"] / ms["kvcache"], "paged": ms["fa4 paged"] / ms["paged"],
+                      "graphs": ms["fa4 graph"] / ms["kvcache graph"]}
+            ours, theirs = calls["kvcache"]().float(), calls["fa4"]().float()
+            row |= {"speed_vs_fa4": vs_fa4, "fa4_rel_diff": ((ours - theirs).norm() / theirs.norm()).item()}
+            ratios += (", tco/FA4 speed " + ", ".join(f"{name} {x:.2f}x" for name, x in vs_fa4.items())
+                       + f" (outputs' rel. diff {row['fa4_rel_diff']:.1e})")
+        rows.append(row)
         print(f"B{batch:<4} keys {seqlen_k:<6} H{h_q}/{h_kv}: " + ", ".join(
-            f"{name} {ms[name]:.4f} ms ({gbs[name]:.0f} GB/s)" for name in calls)
-            + f"; kvcache/torch speed {ms['torch'] / ms['kvcache']:.2f}x (graphs {ms['torch graph'] / ms['kvcache graph']:.2f}x),"
-            f" paged/kvcache {ms['kvcache'] / ms['paged']:.2f}x")
+            f"{name} {ms[name]:.4f} ms ({gbs[name]:.0f} GB/s)" for name in calls) + "; " + ratios)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(rows, indent=1))
 

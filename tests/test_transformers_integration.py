@@ -144,3 +144,27 @@ def test_generate_decodes_with_the_cache():
     ours = model.generate(ids, max_new_tokens=6, do_sample=False)
     ref = build("llama", "eager").generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_generate_with_a_static_cache_hides_unwritten_slots(kind):
+    """A preallocated cache is longer than the tokens written so far: those slots must not be
+    attended to (prefill and every decode step), with and without a 2-D mask, batched."""
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    ref = build(kind, "eager").generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                        cache_implementation="static")
+    tco.ops.fallback.reset()
+    ours = build(kind, "cute").generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                        cache_implementation="static")
+    assert torch.equal(ours, ref)
+    assert not tco.fallback_counts()
+
+
+def test_unwritten_keys_are_told_by_shapes_or_positions():
+    positions = torch.arange(4, 7)
+    assert cute_hf._unwritten_keys(positions, 10, 0, torch.ones(2, 7))  # static cache, mask given
+    assert not cute_hf._unwritten_keys(positions, 7, 0, torch.ones(2, 7))  # dynamic cache
+    assert cute_hf._unwritten_keys(positions, 10, 0, None)  # no mask: the last position tells
+    assert not cute_hf._unwritten_keys(positions, 7, 0, None)
+    assert not cute_hf._unwritten_keys(torch.arange(7), 7, 0, None)

@@ -13,7 +13,8 @@ is padding to honour, else None. The attention function then serves
 * sliding-window layers (Mistral, Qwen2, Gemma 2/3, gpt-oss) with their window, and Gemma 2's
   logit soft-capping, on the same kernels;
 * decode and chunked prefill against a KV cache (S_q < S_k): causal is aligned bottom-right, as
-  the models need;
+  the models need; a static (preallocated) cache, whose unwritten slots must stay hidden, gets
+  transformers' materialized mask on the kernels' attn_mask path;
 * padded batches (left or right padding: one run of real tokens per row) on the same kernels,
   each entry bounded by its first and one-past-last real key (``flash_attn_func``'s
   ``key_start``/``key_end``): no mask is materialized, no token is copied, padding costs nothing;
@@ -49,10 +50,34 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 NAME = "cute"
 
 
+def _unwritten_keys(cache_position, kv_length: int, kv_offset: int, attention_mask) -> bool:
+    """Whether the keys extend past the last query's position: a static (preallocated) cache,
+    whose slots beyond the tokens written so far are not keys yet. Shapes tell when the 2-D mask
+    is given (it covers the tokens so far); without it, eager mode reads the last position."""
+    if attention_mask is not None:
+        return attention_mask.shape[-1] < kv_length
+    if cache_position.shape[0] == kv_length:
+        return False
+    if torch.compiler.is_compiling():
+        return True  # cannot tell: materialize, which is right either way
+    return int(cache_position[-1]) + 1 - kv_offset < kv_length
+
+
 def cute_mask(batch_size, cache_position, kv_length, kv_offset=0, mask_function=None, attention_mask=None,
               **kwargs):
-    """The 2-D (batch, kv_length) padding mask when some key is padding, else None; in eager mode
-    a mask with holes is materialized (4-D, by transformers' SDPA mask) for the masked path."""
+    """The 2-D (batch, kv_length) padding mask when some key is padding, else None; a mask with
+    holes (found in eager mode) or a static cache's unwritten slots are materialized (4-D, by
+    transformers' SDPA mask) for the kernels' attn_mask path."""
+    def materialized():
+        from transformers.masking_utils import sdpa_mask
+
+        # never None: our causal is aligned bottom-right, SDPA's skipped mask means top-left
+        return sdpa_mask(batch_size=batch_size, cache_position=cache_position, kv_length=kv_length,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                         **(kwargs | {"allow_is_causal_skip": False}))
+
+    if _unwritten_keys(cache_position, kv_length, kv_offset, attention_mask):
+        return materialized()
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
@@ -64,11 +89,7 @@ def cute_mask(batch_size, cache_position, kv_length, kv_offset=0, mask_function=
     if everything:
         return None
     if not one_run:
-        from transformers.masking_utils import sdpa_mask
-
-        return sdpa_mask(batch_size=batch_size, cache_position=cache_position, kv_length=kv_length,
-                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                         **kwargs)
+        return materialized()
     return attention_mask
 
 

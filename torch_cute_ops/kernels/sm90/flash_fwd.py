@@ -60,6 +60,7 @@ from ..common.flash_common import (
 )
 from ..common.seqlen import SeqBounds, store_rows
 from ..common.mask_args import mask_fakes
+from ..common.split_kv import SplitKvCombine, split_fakes, store_partial
 
 _CUTE_DTYPE = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
@@ -160,6 +161,7 @@ class FlashFwdSm90:
         # flash-decoding: each tile's key range split over num_splits CTAs, which store fp32
         # partial O and lse; a combine kernel merges them
         self.split_kv = split_kv
+        self.combine = SplitKvCombine(dtype, head_dim)
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
         self.num_wg = config.num_wg
@@ -285,9 +287,9 @@ class FlashFwdSm90:
         )
         if const_expr(self.split_kv):
             rows = cute.size(mO.shape[0]) * cute.size(mO.shape[2]) * cute.size(mO.shape[3])  # (S, D, H, B)
-            self.combine_kernel(mOpart, mLSEpart, mO, mLSE, num_splits).launch(
-                grid=[cute.ceil_div(rows, self.combine_rows_per_cta), 1, 1],
-                block=[128, 1, 1], stream=stream)
+            self.combine.kernel(mOpart, mLSEpart, mO, mLSE, num_splits).launch(
+                grid=[cute.ceil_div(rows, self.combine.rows_per_cta), 1, 1],
+                block=[self.combine.threads, 1, 1], stream=stream)
 
     def _softmax_scales(self, softmax_scale: Float32, softcap: Float32):
         """(scale_log2 of the softmax's exp2, scale of the scores before tanh when capped)."""
@@ -643,7 +645,9 @@ class FlashFwdSm90:
                         pipe_q.consumer_release(q_state)
 
                 if const_expr(self.split_kv):
-                    self.epilogue_partial(acc_o, softmax, mO_rows, mLSE, thr_pv, head, slot, row_start, bounds)
+                    out_scale, lse = softmax.finalize()
+                    scale_rows(acc_o, out_scale)
+                    store_partial(acc_o, lse, mO_rows, mLSE, thr_pv, head, slot, row_start, bounds.seqlen_q, D)
                 else:
                     self.epilogue(acc_o, softmax, mO, mO_rows, mLSE, sO[None, None, wg], tma_o, tiled_mma_pv,
                                   thr_pv, wg, wg_tidx, m_block, head, batch, row_start, bounds)
@@ -737,84 +741,8 @@ class FlashFwdSm90:
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
 
 
-    @cute.jit
-    def epilogue_partial(self, acc_o, softmax: OnlineSoftmax, mOpart, mLSEpart, thr_pv, head, slot, row_start,
-                         bounds: SeqBounds):
-        """Split-KV: this split's normalized O and lse, fp32, straight from registers (decode
-        tiles are a few rows: no smem staging)."""
-        D = self.head_dim
-        out_scale, lse = softmax.finalize()
-        scale_rows(acc_o, out_scale)
-        tOcO = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((64, D))))
-        acc = acc_as_rows_cols(acc_o)
-        for r in cutlass.range_constexpr(cute.size(lse)):
-            row = row_start + tOcO[r, 0][0]
-            if row < bounds.seqlen_q:
-                if tOcO[0, 0][1] == 0:
-                    mLSEpart[row, head, slot] = lse[r]
-                for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                    mOpart[row, tOcO[r, c][1], head, slot] = acc[r, c]
-
-    combine_threads_per_row = 8
-    combine_rows_per_cta = 128 // 8
-
-    @cute.kernel
-    def combine_kernel(self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                       num_splits: Int32):
-        """out = sum_s exp(lse_s - lse) O_s with lse = log sum_s exp(lse_s): one row (b, s, h) per
-        group of threads, 8 columns per thread and step. mO/mLSE as the forward sees them:
-        (S, D, H, B) and (S, H, B); the partials (splits * B, S, H, D) and (splits * B, H, S)."""
-        per_row = self.combine_threads_per_row
-        tidx = cute.arch.thread_idx()[0]
-        row = cute.arch.block_idx()[0] * self.combine_rows_per_cta + tidx // per_row
-        lane = tidx % per_row
-        seqlen, heads, batch = mO.shape[0], mO.shape[2], mO.shape[3]
-        h = row % heads
-        s = (row // heads) % seqlen
-        b = row // (heads * seqlen)
-        if b < batch:
-            lse_max = -Float32.inf
-            for i in cutlass.range(num_splits, unroll=4):  # independent loads: keep several in flight
-                lse_max = cutlass.max(lse_max, mLSEpart[i * batch + b, h, s])
-            safe_max = 0.0 if lse_max == -Float32.inf else lse_max
-            total = Float32(0.0)
-            for i in cutlass.range(num_splits, unroll=4):
-                total += cute.math.exp2((mLSEpart[i * batch + b, h, s] - safe_max) * LOG2_E, fastmath=True)
-            lse = -Float32.inf if total == 0.0 else safe_max + cute.math.log2(total, fastmath=True) * (1.0 / LOG2_E)
-            safe_lse = 0.0 if total == 0.0 else lse
-            for k in cutlass.range_constexpr(self.head_dim // (8 * per_row) if self.head_dim % (8 * per_row) == 0
-                                             else 0):
-                chunk = lane + k * per_row
-                acc = cute.make_rmem_tensor((8,), Float32)
-                acc.fill(0.0)
-                for i in cutlass.range(num_splits, unroll=4):
-                    weight = cute.math.exp2((mLSEpart[i * batch + b, h, s] - safe_lse) * LOG2_E, fastmath=True)
-                    part = cute.local_tile(mOpart[i * batch + b, s, h, None], (8,), (chunk,)).load()
-                    acc.store(acc.load() + part * weight)
-                cute.local_tile(mO[s, None, h, b], (8,), (chunk,)).store(acc.load().to(self.dtype))
-            for col in cutlass.range_constexpr(0 if self.head_dim % (8 * per_row) == 0 else self.head_dim):
-                if col % per_row == lane:  # head dims that are not a multiple of 64: one column at a time
-                    value = Float32(0.0)
-                    for i in cutlass.range(num_splits, unroll=1):
-                        weight = cute.math.exp2((mLSEpart[i * batch + b, h, s] - safe_lse) * LOG2_E, fastmath=True)
-                        value += mOpart[i * batch + b, s, h, col] * weight
-                    mO[s, col, h, b] = value.to(self.dtype)
-            if lane == 0:
-                mLSE[s, h, b] = lse
-
 
 # ---------------------------------------------------------------------- family
-
-
-def split_fakes(head_dim: int) -> tuple:
-    """Split-KV partials (splits * B, S_q, H_q, D) and (splits * B, H_q, S_q), fp32, and the split
-    count; unsplit variants are handed placeholders."""
-    sym = cute.sym_int32
-    o_part = cute.runtime.make_fake_compact_tensor(Float32, (sym(), sym(), sym(), head_dim), stride_order=(3, 2, 1, 0),
-                                                   assumed_align=16)
-    lse_part = cute.runtime.make_fake_compact_tensor(Float32, (sym(), sym(), sym()), stride_order=(2, 1, 0),
-                                                     assumed_align=4)
-    return o_part, lse_part, Int32(1)
 
 
 def build(spec: KernelSpec):
