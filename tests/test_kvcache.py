@@ -67,7 +67,7 @@ def test_named_errors(change, match):
 @pytest.mark.parametrize("tiles,key_blocks", [(8, 256), (64, 32), (32, 256), (1, 8), (3, 1000), (66, 64)])
 def test_split_kv_fills_one_wave(tiles, key_blocks):
     """Split-KV never leaves (tile, split) pairs for a second wave, keeps >= 4 key blocks per
-    split, and splits only tiles that fill at most half of the SMs."""
+    split, and splits only tiles that fill at most a quarter of the SMs."""
     from torch_cute_ops.runtime.attention import num_splits_for
 
     sms = 132
@@ -75,7 +75,7 @@ def test_split_kv_fills_one_wave(tiles, key_blocks):
     assert 1 <= splits <= 32
     assert tiles * splits <= sms or splits == 1
     assert splits == 1 or key_blocks // splits >= 4
-    if 2 * tiles <= sms and key_blocks >= 8:
+    if 4 * tiles <= sms and key_blocks >= 8:
         assert splits == min(sms // tiles, key_blocks // 4, 32)  # as many as one wave holds
     else:
         assert splits == 1

@@ -285,11 +285,10 @@ def _split_placeholders(device_index: int, head_dim: int) -> tuple:
 
 def num_splits_for(tiles: int, key_blocks: int, sms: int) -> int:
     """Split-KV (flash-decoding): how many CTAs share one tile's keys, when the tiles fill at most
-    half of the GPU. The (tile, split) pairs must fit one wave: a pair left over for a second wave
-    doubles the time (H100, B1 x 32k, 8 tiles: 17 splits ran 136 CTAs on 132 SMs), and each split
-    keeps >= 4 key blocks, so the partial O write and the combine stay small beside the K/V
-    reads; at most 32."""
-    if 2 * tiles > sms or key_blocks < 8:
+    a quarter of the GPU (H100, B8 x 4k decode, 64 tiles: 2 splits 4% slower than none, 3 splits
+    14%). The (tile, split) pairs fit one wave, and each split keeps >= 4 key blocks, so the
+    partial O write and the combine stay small beside the K/V reads; at most 32."""
+    if 4 * tiles > sms or key_blocks < 8:
         return 1
     return max(1, min(sms // tiles, key_blocks // 4, 32))
 
