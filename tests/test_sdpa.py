@@ -178,6 +178,31 @@ def test_packed_gqa_views_map_heads_to_rows():
     assert q_rows.data_ptr() == q.data_ptr() and out_rows.data_ptr() == out.data_ptr()
 
 
+def test_packed_gqa_copies_map_token_head_pairs_to_rows():
+    """Pack-GQA with several query tokens: row t * g + r of kv head h is token t of query head
+    h * g + r; the kernel's out and lse rows land back in (B, S_q, H_q, D) and (B, H_q, S_q)."""
+    from torch_cute_ops.runtime.attention import packed_gqa_copies
+
+    b, s, h_q, h_kv, d = 2, 3, 8, 2, 16
+    g = h_q // h_kv
+    q = torch.randn(b, h_q, s, d).transpose(1, 2)  # non-contiguous, as from a (B, H, S, D) projection
+    out, lse = torch.full((b, s, h_q, d), float("nan")), torch.full((b, h_q, s), float("nan"))
+    q_rows, out_rows, lse_rows, finish = packed_gqa_copies(q, g, out, lse)
+    assert q_rows.shape == out_rows.shape == (b, s * g, h_kv, d) and lse_rows.shape == (b, h_kv, s * g)
+    for h in range(h_kv):
+        for t in range(s):
+            for r in range(g):
+                assert torch.equal(q_rows[:, t * g + r, h], q[:, t, h * g + r])
+    out_rows.copy_(torch.randn_like(out_rows))
+    lse_rows.copy_(torch.randn_like(lse_rows))
+    finish()
+    for h in range(h_kv):
+        for t in range(s):
+            for r in range(g):
+                assert torch.equal(out[:, t, h * g + r], out_rows[:, t * g + r, h])
+                assert torch.equal(lse[:, h * g + r, t], lse_rows[:, h, t * g + r])
+
+
 def test_decode_plan_runs_the_dense_kernel_on_packed_views(monkeypatch):
     """One query token with GQA: the plan (made once per layout) picks the dense variant and each
     call hands the kernel the packed views of q, out and lse."""
@@ -202,3 +227,35 @@ def test_decode_plan_runs_the_dense_kernel_on_packed_views(monkeypatch):
     assert lse_rows.data_ptr() == lse.data_ptr()
     # with a window the rows would not share the band: no packing
     assert flash_host.plan_fwd(q, k, k, causal=False, local=True).group == 0
+
+
+def test_speculative_decode_plan_packs_token_head_pairs(monkeypatch):
+    """A few query tokens with GQA: the kernel sees S_q * g rows per kv head (a causal variant
+    that counts g rows as one token), and out/lse come back in the caller's layout."""
+    from torch_cute_ops.runtime import attention as flash_host
+
+    calls = []
+
+    def kernel(*args):
+        calls.append(args)
+        args[3].fill_(1.0)  # out rows
+        args[4].fill_(2.0)  # lse rows
+
+    monkeypatch.setattr(flash_host, "get_compiled", lambda spec: (calls.append(spec), kernel)[1])
+    monkeypatch.setattr(flash_host, "num_sms", lambda index: 132)
+    monkeypatch.setattr(flash_host, "_unused_counter", lambda index: torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(flash_host, "_mask_placeholders", lambda index: (None, None, None))
+    monkeypatch.setattr(flash_host, "_split_placeholders", lambda index, head_dim: (None, None, 1))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    q, k = torch.randn(2, 4, 8, 64).bfloat16(), torch.randn(2, 300, 2, 64).bfloat16()
+    out, lse = torch.zeros_like(q), torch.zeros(2, 8, 4)
+    plan = flash_host.plan_fwd(q, k, k, causal=True)
+    plan(q, k, k, out, lse, 0.125)
+    spec, args = calls
+    assert spec["causal"] is True and spec["rows_per_query"] == 4
+    assert args[0].shape == args[3].shape == (2, 16, 2, 64) and args[4].shape == (2, 2, 16)
+    assert (out == 1).all() and (lse == 2).all()
+    many = torch.randn(2, 17, 8, 64).bfloat16()  # more tokens than pack-GQA serves: one row per query
+    calls.clear()
+    flash_host.plan_fwd(many, k, k, causal=True)
+    assert "rows_per_query" not in dict(calls[0].params)

@@ -107,12 +107,16 @@ def kernel_band(causal: bool, window_left, window_right, seqlen_q: int, seqlen_k
 
 def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
              arch: str = "sm_90a", local: bool = False, softcap: bool = False,
-             rows: str = "dense", attn_mask: str = "none", split_kv: bool = False) -> KernelSpec:
+             rows: str = "dense", attn_mask: str = "none", split_kv: bool = False,
+             rows_per_query: int = 1) -> KernelSpec:
+    """``rows_per_query`` > 1: each query token is that many consecutive rows (pack-GQA with
+    several tokens), which the causal band counts as one."""
     config = config or config_for(head_dim, causal, ragged=rows != "dense" or attn_mask != "none")
     # the config is in the key: a new config recompiles
+    extra = {"rows_per_query": rows_per_query} if rows_per_query > 1 else {}
     return KernelSpec.make(FWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
                            softcap=softcap, rows=rows, attn_mask=attn_mask, split_kv=split_kv,
-                           config=dataclasses.astuple(config))
+                           config=dataclasses.astuple(config), **extra)
 
 
 # --------------------------------------------------------------------------- backward tiles
@@ -326,9 +330,33 @@ def packed_gqa_views(q, group: int, out=None, lse=None):
     return q_rows, out_rows, lse_rows
 
 
+def packed_gqa_copies(q, group: int, out, lse):
+    """Decode with a few query tokens (S_q > 1) and grouped kv heads: the (token, head) pairs of
+    each kv head's group as S_q * group rows of one kv head, row ``t * group + g`` = token t of
+    query head ``h * group + g``. Not a strided view of (B, S_q, H_q, D) (two strides per row),
+    so q is copied in and the kernel's out and lse are copied back by the returned ``finish``:
+    a few KiB beside a cache read once per group instead of once per head."""
+    b, s, h_q, d = q.shape
+    h_kv = h_q // group
+    q_rows = q.unflatten(2, (h_kv, group)).transpose(2, 3).reshape(b, s * group, h_kv, d)
+    out_rows = torch.empty_like(q_rows)
+    lse_rows = torch.empty((b, h_kv, s * group), dtype=lse.dtype, device=lse.device)
+
+    def finish():
+        out.unflatten(2, (h_kv, group)).copy_(out_rows.view(b, s, group, h_kv, d).transpose(2, 3))
+        lse.unflatten(1, (h_kv, group)).copy_(lse_rows.view(b, h_kv, s, group).transpose(2, 3))
+
+    return q_rows, out_rows, lse_rows, finish
+
+
+# pack-GQA serves decode with up to this many query tokens (speculative decoding)
+PACK_GQA_MAX_QUERIES = 16
+
+
 class FlashFwdLaunch:
     """The forward of one input layout: writes out (B, S_q, H_q, D) and lse (B, H_q, S_q).
-    ``group`` > 0: the layout is decode with GQA, run through :func:`packed_gqa_views`."""
+    ``group`` > 0: the layout is decode with GQA, whose (token, head) pairs are the rows of
+    one kv head (:func:`packed_gqa_views`, :func:`packed_gqa_copies`)."""
 
     __slots__ = ("fn", "dynamic", "device_index", "grid", "no_keys", "group", "tiles", "splits")
 
@@ -339,6 +367,14 @@ class FlashFwdLaunch:
         self.dynamic, self.device_index, self.grid, self.group = dynamic, device_index, grid, group
         self.tiles = tiles  # (tile_m, tile_n): the granularity of an attn_mask's block summary
         self.splits = splits  # split-KV: CTAs per tile's key range (1: no split)
+
+    def _gqa_rows(self, q, out, lse):
+        """q, out and lse as the kernel sees them, and what to run after it (or None)."""
+        if not self.group:
+            return q, out, lse, None
+        if q.shape[1] == 1:
+            return (*packed_gqa_views(q, self.group, out, lse), None)
+        return packed_gqa_copies(q, self.group, out, lse)
 
     def _attends_to_nothing(self, out, lse) -> bool:
         """No keys at all (the plan has no kernel): every row is 0 with lse -inf."""
@@ -375,13 +411,14 @@ class FlashFwdLaunch:
                  softcap: float = 0.0) -> None:
         if self._attends_to_nothing(out, lse):
             return
-        if self.group:
-            q, out, lse = packed_gqa_views(q, self.group, out, lse)
+        q, out, lse, finish = self._gqa_rows(q, out, lse)
         unused = _unused_counter(self.device_index)
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.dynamic else unused
         self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right,
                 softcap, self.grid, *self._split_args(q))
+        if finish is not None:
+            finish()
 
     def padded(self, q, k, v, key_start, key_end, out, lse, softmax_scale: float, window_left: int = 0,
                window_right: int = 0, softcap: float = 0.0) -> None:
@@ -403,8 +440,7 @@ class FlashFwdLaunch:
         the plan's variant is kvcache. A contiguous cache is one page per entry."""
         if self._attends_to_nothing(out, lse):  # an empty cache
             return
-        if self.group:
-            q, out, lse = packed_gqa_views(q, self.group, out, lse)
+        q, out, lse, finish = self._gqa_rows(q, out, lse)
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         rows = k_cache.shape[0] * k_cache.shape[1]
         k_rows = k_cache.reshape(1, rows, *k_cache.shape[2:])
@@ -412,6 +448,8 @@ class FlashFwdLaunch:
         self.fn(q, k_rows, v_rows, out, lse, counter, page_table.reshape(-1), key_lengths, page_table.shape[1],
                 page_size, *_mask_placeholders(self.device_index), softmax_scale, window_left, window_right,
                 softcap, self.grid, *self._split_args(q))
+        if finish is not None:
+            finish()
 
     def packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, out, lse,
                softmax_scale: float, window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
@@ -477,12 +515,14 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     grid = max_ctas or num_sms(device_index)
     if k.shape[1] == 0:
         return FlashFwdLaunch(None, False, device_index, grid)
-    # one query token with grouped kv heads: the group's heads as rows of one tile, dense band
+    # decode with grouped kv heads: the group's (token, head) pairs as the rows of one kv head's
+    # tiles; one token sees every key (no band), several see the causal band per token
     dense = rows == "dense"
     unmasked = attn_mask == "none"
-    group = (q.shape[2] // k.shape[2] if q.shape[1] == 1 and rows in ("dense", "kvcache") and unmasked
-             and not local and k.shape[2] < q.shape[2] else 0)
-    causal = causal and not group
+    group = (q.shape[2] // k.shape[2] if q.shape[1] <= PACK_GQA_MAX_QUERIES and rows in ("dense", "kvcache")
+             and unmasked and not local and k.shape[2] < q.shape[2] else 0)
+    rows_per_query = group if group and q.shape[1] > 1 else 1
+    causal = causal and (not group or q.shape[1] > 1)
     head_dim = q.shape[-1]
     config = config or config_for(head_dim, causal, not packed and k.shape[1] <= SHORT_CAUSAL_KEYS,
                                   not (dense and unmasked))
@@ -490,11 +530,11 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
         config = dataclasses.replace(config, tile_n=config.tile_n // 32 * 32)
     splits = 1
     if rows in ("dense", "kvcache") and unmasked:
-        tile_rows, tile_heads = (group, k.shape[2]) if group else (q.shape[1], q.shape[2])
+        tile_rows, tile_heads = (group * q.shape[1], k.shape[2]) if group else (q.shape[1], q.shape[2])
         tiles = -(-tile_rows // config.tile_m) * tile_heads * q.shape[0]
         splits = num_splits_for(tiles, -(-(keys_per_entry or k.shape[1]) // config.tile_n), grid)
     spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=softcap, rows=rows,
-                    attn_mask=attn_mask, split_kv=splits > 1)
+                    attn_mask=attn_mask, split_kv=splits > 1, rows_per_query=rows_per_query)
     return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid, group, (config.tile_m, config.tile_n),
                           splits)
 

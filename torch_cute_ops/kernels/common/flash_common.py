@@ -184,17 +184,20 @@ class KeyRange(DslState):
     dynamic_fields = ("n_block_min", "n_block_max", "n_block_min_masked", "n_block_min_unmasked")
 
     def __init__(self, tile_m: int, tile_n: int, causal: bool, m_block, seqlen_q, seqlen_k,
-                 local: bool = False, left=None, right=None):
+                 local: bool = False, left=None, right=None, rows_per_query: int = 1):
         n_blocks_k = (seqlen_k + tile_n - 1) // tile_n
         self.n_block_min = Int32(0)
         self.n_block_max = n_blocks_k
         self.n_block_min_masked = n_blocks_k
         self.n_block_min_unmasked = Int32(0)
         if const_expr(causal or local):
-            offset = seqlen_k - seqlen_q
-            right_edge = offset if const_expr(causal) else offset + right
             first_row = m_block * tile_m
             last_row = cutlass.min((m_block + 1) * tile_m, seqlen_q) - 1
+            if const_expr(rows_per_query > 1):  # rows are (token, head) pairs: the band is per token
+                seqlen_q, first_row, last_row = (seqlen_q // rows_per_query, first_row // rows_per_query,
+                                                 last_row // rows_per_query)
+            offset = seqlen_k - seqlen_q
+            right_edge = offset if const_expr(causal) else offset + right
             # keys visible to the last row of the block, and to its first row
             last_row_keys = last_row + right_edge + 1
             first_row_keys = first_row + right_edge + 1
@@ -227,6 +230,7 @@ def mask_scores(
     local: cutlass.Constexpr[bool] = False,
     left: Int32 = None,
     right: Int32 = None,
+    rows_per_query: cutlass.Constexpr[int] = 1,
 ):
     """Set scores outside the visible band (see :class:`KeyRange`) to -inf, in place.
 
@@ -238,10 +242,11 @@ def mask_scores(
     score. ``keys_in_rows``: the fragment holds S^T (rows are keys, columns queries);
     the origins keep their meaning (``row_start`` is still the first query).
     ``local``: the band of a (left, right) window; ``causal`` is right = 0, no left edge.
+    ``rows_per_query`` > 1 (forward): each query token is that many consecutive rows.
     """
     acc = acc_as_rows_cols(acc_s)
     col_offset = tScS[0, 0][1]
-    offset = seqlen_k - seqlen_q
+    offset = seqlen_k - (seqlen_q // rows_per_query if const_expr(rows_per_query > 1) else seqlen_q)
     hidden = Int32(1 << 30)  # past every column: the whole row is masked
     if const_expr(keys_in_rows):
         # key j is visible to the queries i in [j - offset - right, j - offset + left]
@@ -275,6 +280,8 @@ def mask_scores(
             diag = row_start + 1 + right_edge - col_start - col_offset
             for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
                 limit = diag + tScS[r, 0][0]
+                if const_expr(rows_per_query > 1):
+                    limit = diag - row_start + (row_start + tScS[r, 0][0]) // rows_per_query
                 first = limit - 1 - right - left if const_expr(local) else None  # i + offset - left
                 if const_expr(mask_seqlen):
                     limit = cutlass.min(limit, seqlen_limit)

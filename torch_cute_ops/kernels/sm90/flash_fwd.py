@@ -143,7 +143,8 @@ def _scores_to_p(tOrP, acc_s):
 
 class FlashFwdSm90:
     def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig, local: bool = False,
-                 softcap: bool = False, rows: str = "dense", attn_mask: str = "none", split_kv: bool = False):
+                 softcap: bool = False, rows: str = "dense", attn_mask: str = "none", split_kv: bool = False,
+                 rows_per_query: int = 1):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -161,6 +162,8 @@ class FlashFwdSm90:
         # flash-decoding: each tile's key range split over num_splits CTAs, which store fp32
         # partial O and lse; a combine kernel merges them
         self.split_kv = split_kv
+        # pack-GQA with several query tokens: rows are (token, head) pairs, the band is per token
+        self.rows_per_query = rows_per_query
         self.combine = SplitKvCombine(dtype, head_dim)
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
@@ -486,7 +489,7 @@ class FlashFwdSm90:
     def key_range(self, m_block, bounds: SeqBounds, window_left: Int32, window_right: Int32,
                   mMaskRange: cute.Tensor, head, batch, split, splits) -> KeyRange:
         keys = KeyRange(self.tile_m, self.tile_n, self.causal, m_block, bounds.seqlen_q, bounds.seqlen_k,
-                        self.local, window_left, window_right)
+                        self.local, window_left, window_right, self.rows_per_query)
         if const_expr(self.masked):
             # the attn_mask's live key blocks (no causal or window with a mask)
             keys.n_block_min = mMaskRange[batch, head, m_block, 0]
@@ -563,7 +566,7 @@ class FlashFwdSm90:
                 row_start = m_block * self.tile_m + wg * 64
                 mask = partial(mask_scores, tScS=tScS, t0ScS=t0ScS, row_start=m_block * self.tile_m,
                                seqlen_q=bounds.seqlen_q, seqlen_k=bounds.seqlen_k, local=self.local, left=window_left,
-                               right=window_right)
+                               right=window_right, rows_per_query=self.rows_per_query)
                 if const_expr(self.softcap):
                     mask = partial(_capped_mask, mask, cap_scale)
                 load_words = None
@@ -749,7 +752,7 @@ def build(spec: KernelSpec):
     dtype = _CUTE_DTYPE[spec["dtype"]]
     head_dim, causal = spec["head_dim"], spec["causal"]
     kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]), spec["local"], spec["softcap"],
-                          spec["rows"], spec["attn_mask"], spec["split_kv"])
+                          spec["rows"], spec["attn_mask"], spec["split_kv"], dict(spec.params).get("rows_per_query", 1))
 
     def bhsd(elem):
         # (B, S, H, D), any strides but the last; 16-byte aligned rows for TMA
