@@ -17,7 +17,8 @@ each of ``--rounds`` rounds and keep their median. The cache is transformers' dy
 with ``--cache static`` its StaticCache (eager: transformers would compile the decoding step for
 a static cache, which ``--compile`` lets it do). Also reported: how many leading generated tokens
 of "cute" and "sdpa" agree (the minimum over rows; greedy bf16 decoding may part on a near-tie
-late) and tco's fallbacks over the timed generates (``tco.fallback_counts()``).
+late), the prompt's last logits of both (relative difference, the top-2 gap that decides a greedy
+pick) and tco's fallbacks over the timed generates (``tco.fallback_counts()``).
 Prints a table, writes DIR/generate.json.
 """
 
@@ -72,6 +73,21 @@ def generate(model, ids: torch.Tensor, args) -> torch.Tensor:
                          disable_compile=not args.compile)
     assert out.shape == (ids.shape[0], ids.shape[1] + args.new_tokens), out.shape
     return out[:, ids.shape[1]:]
+
+
+@torch.no_grad()
+def prefill_logits_agreement(models: dict, ids: torch.Tensor) -> dict:
+    """The prompt's last-position logits of "cute" against "sdpa": relative difference, how often
+    the greedy pick agrees, and the median gap between sdpa's two best logits (random weights
+    give near-ties, which bf16 noise flips: token agreement alone says little)."""
+    logits = {name: model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, -1].float()
+              for name, model in models.items()}
+    ours, ref = logits["cute"], logits["sdpa"]
+    top2 = ref.topk(2, dim=-1).values
+    return {"rel_diff": ((ours - ref).norm() / ref.norm()).item(),
+            "argmax_agree": (ours.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+            "top2_gap": (top2[:, 0] - top2[:, 1]).median().item(),
+            "max_abs_diff": (ours - ref).abs().max().item()}
 
 
 def leading_agreement(a: torch.Tensor, b: torch.Tensor) -> list[int]:
@@ -134,11 +150,15 @@ def main() -> None:
                 seconds[name].append(time.perf_counter() - start)
         rate = {name: args.new_tokens * batch / statistics.median(s) for name, s in seconds.items()}
         agree = leading_agreement(tokens["cute"], tokens["sdpa"])
+        logits = prefill_logits_agreement(models, ids)
         fallbacks = {f"{op}: {why}": n for (op, why), n in tco.fallback_counts().items()}
         results["rows"].append({"batch": batch, "tokens_per_s": rate, "ratio": rate["cute"] / rate["sdpa"],
-                                "seconds": seconds, "leading_tokens_agree": agree, "fallbacks": fallbacks})
+                                "seconds": seconds, "leading_tokens_agree": agree, "prefill_logits": logits,
+                                "fallbacks": fallbacks})
         print(f"{batch:>5} {rate['sdpa']:10.1f} {rate['cute']:10.1f} {rate['cute'] / rate['sdpa']:9.2f}x  "
-              f"{f'{min(agree)}/{args.new_tokens}':>19}  {fallbacks or 'none'}")
+              f"{f'{min(agree)}/{args.new_tokens}':>19}  {fallbacks or 'none'}; prefill logits: rel. diff "
+              f"{logits['rel_diff']:.1e}, max |diff| {logits['max_abs_diff']:.1e}, median top-2 gap "
+              f"{logits['top2_gap']:.1e}, argmax agrees {logits['argmax_agree']:.0%}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "generate.json").write_text(json.dumps(results, indent=1))
 
