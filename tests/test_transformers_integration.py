@@ -168,3 +168,11 @@ def test_unwritten_keys_are_told_by_shapes_or_positions():
     assert cute_hf._unwritten_keys(positions, 10, 0, None)  # no mask: the last position tells
     assert not cute_hf._unwritten_keys(positions, 7, 0, None)
     assert not cute_hf._unwritten_keys(torch.arange(7), 7, 0, None)
+
+
+def test_versions_outside_the_tested_range_are_refused_clearly():
+    cute_hf._check_version("4.57.6")
+    cute_hf._check_version("4.56.0.dev0")
+    for version in ("4.55.4", "5.0.0", "5.1.0rc1"):
+        with pytest.raises(ImportError, match=r"transformers>=4.56,<5; found " + version.replace(".", r"\.")):
+            cute_hf._check_version(version)

@@ -40,12 +40,26 @@ from ..functional import flash_attn_func
 from ..ops import fallback
 from ..sdpa import scaled_dot_product_attention
 
+SUPPORTED = ((4, 56), (5, 0))  # transformers versions: [first, past-last), as pyproject's extra says
+
 try:
+    import transformers
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 except ImportError as err:  # pragma: no cover - depends on the environment
-    raise ImportError("torch_cute_ops.integrations.transformers needs transformers>=4.56 "
+    raise ImportError("torch_cute_ops.integrations.transformers needs transformers>=4.56,<5 "
                       "(pip install 'torch-cute-ops[transformers]')") from err
+
+
+def _check_version(version: str) -> None:
+    """A clear error outside the tested range (transformers 5 changed the mask functions' contract)."""
+    major_minor = tuple(int(part) for part in version.split(".")[:2])
+    if not SUPPORTED[0] <= major_minor < SUPPORTED[1]:
+        raise ImportError(f"torch_cute_ops.integrations.transformers supports transformers>=4.56,<5; found "
+                          f"{version} (pip install 'torch-cute-ops[transformers]')")
+
+
+_check_version(transformers.__version__)
 
 NAME = "cute"
 
