@@ -84,6 +84,26 @@ def _worker(rank: int, world: int, store: str) -> None:
         batched = (dt(la, Shard(0)), dt(lb, Shard(0)))
         _check("gemm batch", lambda: tco.gemm(*batched), lambda: tco.gemm(la, lb), [Shard(0)])
 
+        # scaled_gemm (FP8): rows with their rowwise scales, columns, contraction; shards made
+        # locally (DTensor.from_local: FP8 is not sent over gloo)
+        from torch.distributed.tensor import DTensor
+
+        from torch_cute_ops import fp8
+
+        (qa, sa), (qb, sb) = fp8.quantize_rowwise(torch.randn(8, 128)), fp8.quantize_rowwise(
+            torch.randn(128, 10), operand="b")
+        local = lambda t, p, dim=0: DTensor.from_local(  # noqa: E731
+            t.chunk(world, dim)[rank] if isinstance(p, Shard) else t, mesh, [p], run_check=False)
+        full = tco.scaled_mm(qa, qb, sa, sb, out_dtype=torch.float32)
+        rows = (local(qa, Shard(0)), local(qb, Replicate()), local(sa, Shard(0)), local(sb, Replicate()))
+        _check("scaled_gemm rows", lambda: tco.scaled_mm(*rows, out_dtype=torch.float32), lambda: full, [Shard(0)])
+        cols = (local(qa, Replicate()), local(qb, Shard(1), 1), local(sa, Replicate()), local(sb, Shard(1), 1))
+        _check("scaled_gemm columns", lambda: tco.scaled_mm(*cols, out_dtype=torch.float32), lambda: full,
+               [Shard(1)])
+        contraction = (local(qa, Shard(1), 1), local(qb, Shard(0)), local(sa, Replicate()), local(sb, Replicate()))
+        _check("scaled_gemm contraction", lambda: tco.scaled_mm(*contraction, out_dtype=torch.float32),
+               lambda: full, [Partial()])
+
         # attention (B, S, H, D), GQA 4/2: batch and heads, forward and backward
         q = torch.randn(2, 9, 4, 8, dtype=torch.float64)
         k, v = torch.randn(2, 11, 2, 8, dtype=torch.float64), torch.randn(2, 11, 2, 8, dtype=torch.float64)

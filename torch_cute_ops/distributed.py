@@ -11,6 +11,9 @@ collective:
   ``Shard(N)``, bias sharded with them), the contraction dim (row-parallel: a ``Shard(K)``, b
   ``Shard(K)``, output ``Partial`` -- only without bias and activation, which do not distribute
   over a sum), and the batch of a batched GEMM;
+* ``scaled_gemm`` (FP8): rows of a with their scales (every mode), columns of b with theirs
+  (per-tensor and rowwise scales), the contraction dim (``Partial``; per-tensor and rowwise
+  scales, which K does not index; no bias or activation), and the batch;
 * ``flash_attn_fwd`` / ``_bwd``: the batch, or the heads (query and kv heads together: each rank
   keeps whole GQA groups when both head counts divide by the mesh size), with key ranges and
   attn_mask following their batch / head dims (broadcast dims stay replicated);
@@ -69,6 +72,34 @@ def _gemm_sharding(*args, **kwargs):
         strategies.append(([Partial()], _placements(args, {0: Shard(k_dim_a), 1: Shard(k_dim_b)})))
     if batched:
         strategies.append(([Shard(0)], _placements(args, {0: Shard(0), 1: Shard(0)})))
+    return strategies
+
+
+@register_sharding(cute.scaled_gemm.default)
+def _scaled_gemm_sharding(*args, **kwargs):
+    # (a, b, scale_a, scale_b, bias, out_dtype, activation); scales per tensor (one element), per
+    # row / column ([L,] M, 1) / ([L,] 1, N), or per block ([L,] M, K/128) / ([L,] K/128, N/128)
+    a, b, scale_a, scale_b = args[:4]
+    bias = args[4] if len(args) > 4 else kwargs.get("bias")
+    activation = args[6] if len(args) > 6 else kwargs.get("activation")
+    batched = len(a.shape) == 3
+    m_dim, k_dim_a = (1, 2) if batched else (0, 1)
+    k_dim_b, n_dim = (1, 2) if batched else (0, 1)
+    per_tensor = scale_a.shape.numel() == 1
+    blockwise = not per_tensor and scale_a.shape[-1] != 1
+    strategies = [_all_replicated(args, 1)]
+    rows_scale = Replicate() if per_tensor else Shard(m_dim)
+    strategies.append(([Shard(m_dim)], _placements(args, {0: Shard(m_dim), 2: rows_scale})))
+    if not blockwise:
+        cols_scale = Replicate() if per_tensor else Shard(n_dim)
+        strategies.append(([Shard(len(a.shape) - 1)],
+                           _placements(args, {1: Shard(n_dim), 3: cols_scale, 4: Shard(0)})))
+        if bias is None and activation is None:
+            strategies.append(([Partial()], _placements(args, {0: Shard(k_dim_a), 1: Shard(k_dim_b)})))
+    if batched:
+        strategies.append(([Shard(0)], _placements(
+            args, {0: Shard(0), 1: Shard(0), 2: Replicate() if per_tensor else Shard(0),
+                   3: Replicate() if per_tensor else Shard(0)})))
     return strategies
 
 

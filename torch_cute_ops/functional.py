@@ -10,6 +10,7 @@ from .ops import attention as _attention
 from .ops import attention_kvcache as _attention_kvcache
 from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
+from .ops import scaled_gemm as _scaled_gemm
 from .ops.direct import dispatcher_free
 
 
@@ -24,6 +25,18 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     if dispatcher_free(a, b, bias):
         return _gemm.gemm_impl(a, b, bias, activation, out_dtype, float(alpha))
     return torch.ops.cute.gemm(a, b, bias, activation, out_dtype, alpha)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+              activation: str | None = None) -> torch.Tensor:
+    """FP8 matmul ``activation(dequant(a) @ dequant(b) + bias)``: a (M, K) / (L, M, K) and b (K, N) /
+    (L, K, N) in float8_e4m3fn or float8_e5m2, fp32 scales per tensor (one element each), per row
+    of a and column of b ((M, 1), (1, N)) or per block (a: (M, K / 128), b: (K / 128, N / 128));
+    see :mod:`torch_cute_ops.fp8` for the quantizers. Not differentiable."""
+    if dispatcher_free(a, b, scale_a, scale_b, bias):
+        return _scaled_gemm.scaled_gemm_impl(a, b, scale_a, scale_b, bias, out_dtype, activation)
+    return torch.ops.cute.scaled_gemm(a, b, scale_a, scale_b, bias, out_dtype, activation)
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

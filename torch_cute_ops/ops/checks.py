@@ -42,6 +42,15 @@ def require_same_device(named: Sequence[tuple[str, torch.Tensor | None]]) -> Non
                              f"got {t.device}")
 
 
+def require_epilogue(bias: torch.Tensor | None, n: int, activation: str | None, activations) -> None:
+    """A GEMM epilogue's bias (N,) and activation name (the bias dtype is each op's to check)."""
+    if bias is not None:
+        require_rank("bias", bias, (1,), "(N,)")
+        require_dim("bias", bias, 0, n, "N, the last dim of b")
+    if activation is not None and activation not in activations:
+        raise ValueError(f"activation: expected None or one of {tuple(activations)}, got {activation!r}")
+
+
 def require_dim(name: str, t: torch.Tensor, dim: int, expected, what: str) -> None:
     if t.shape[dim] != expected:
         raise ValueError(f"{name}: expected size {expected} at dim {dim} ({what}), "

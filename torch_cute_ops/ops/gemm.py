@@ -33,10 +33,7 @@ def _validate(a, b, bias, activation, out_dtype) -> tuple[tuple[int, ...], torch
     n = b.shape[-1]
     if bias is not None:
         checks.require_same_dtype("bias", bias, "a", a)
-        checks.require_rank("bias", bias, (1,), "(N,)")
-        checks.require_dim("bias", bias, 0, n, "N, the last dim of b")
-    if activation is not None and activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected None or one of {ACTIVATIONS}, got {activation!r}")
+    checks.require_epilogue(bias, n, activation, ACTIVATIONS)
     out_dtype = a.dtype if out_dtype is None else out_dtype
     if out_dtype not in OUTPUT_DTYPES:
         raise TypeError(f"out_dtype: expected one of {OUTPUT_DTYPES}, got {out_dtype}")

@@ -1,0 +1,159 @@
+"""FP8 scaled matmul on the CPU: the op's semantics for each scale mode against a float64
+computation from the stored values and scales, the quantizers' scales and error bounds, named
+errors for bad input, the fake function, opcheck and torch.compile. (There is no FP8 kernel yet:
+on CUDA the op takes the reference path, counted as a fallback.)"""
+
+import pytest
+import torch
+
+import torch_cute_ops as tco
+from torch_cute_ops import fp8
+from torch_cute_ops.reference.scaled_gemm import scale_mode
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _expand(scale, mode, operand, shape):
+    """float64 scales broadcast to an operand's shape, written out independently of the op."""
+    scale = scale.double()
+    if mode == "tensor":
+        return scale.reshape(()).expand(shape)
+    if mode == "row":
+        return scale.expand(shape)
+    out = torch.empty(shape, dtype=torch.float64)
+    rows, cols = shape[-2], shape[-1]
+    for i in range(rows):
+        for j in range(cols):
+            out[..., i, j] = scale[..., i, j // 128] if operand == "a" else scale[..., i // 128, j // 128]
+    return out
+
+
+def _expected(a, b, sa, sb, mode, bias=None, activation=None):
+    out = (a.double() * _expand(sa, mode, "a", a.shape)) @ (b.double() * _expand(sb, mode, "b", b.shape))
+    if bias is not None:
+        out = out + bias.double()
+    if activation == "gelu_tanh":
+        out = torch.nn.functional.gelu(out, approximate="tanh")
+    return out
+
+
+def _operands(mode, lead=(), m=37, k=256, n=150, a_dtype=E4M3, b_dtype=E4M3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = (torch.randn(*lead, m, k, generator=gen) * 3).to(a_dtype)
+    b = (torch.randn(*lead, k, n, generator=gen) * 3).to(b_dtype)
+    rand = lambda *shape: torch.rand(*shape, generator=gen) + 0.5  # noqa: E731
+    if mode == "tensor":
+        sa, sb = rand(()), rand(1)
+    elif mode == "row":
+        sa, sb = rand(*lead, m, 1), rand(*lead, 1, n)
+    else:
+        sa, sb = rand(*lead, m, -(-k // 128)), rand(*lead, -(-k // 128), -(-n // 128))
+    return a, b, sa, sb
+
+
+@pytest.mark.parametrize("mode", ["tensor", "row", "block"])
+@pytest.mark.parametrize("lead", [(), (2,)], ids=["2d", "batched"])
+def test_each_scale_mode_matches_float64(mode, lead):
+    a, b, sa, sb = _operands(mode, lead)
+    assert scale_mode(a, b, sa, sb) == mode
+    out = tco.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.shape == (*lead, 37, 150)
+    ref = _expected(a, b, sa, sb, mode)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-3)
+
+
+def test_bias_activation_e5m2_and_a_transposed_operand():
+    a, b, sa, sb = _operands("row", a_dtype=E5M2, m=40, k=128, n=64, seed=3)
+    bias = torch.randn(64).bfloat16()
+    a_t = a.t().contiguous().t()  # column-major a
+    out = tco.scaled_mm(a_t, b, sa, sb, bias=bias, activation="gelu_tanh")
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), _expected(a, b, sa, sb, "row", bias, "gelu_tanh"), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("quantize,mode,kwargs", [
+    (fp8.quantize_tensorwise, "tensor", {}),
+    (fp8.quantize_rowwise, "row", {}),
+    (fp8.quantize_blockwise, "block", {}),
+    (fp8.quantize_rowwise, "row", {"dtype": E5M2}),
+])
+def test_quantizers_feed_the_op_within_fp8_error(quantize, mode, kwargs):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(70, 384, generator=gen).bfloat16()
+    w = torch.randn(384, 200, generator=gen).bfloat16()
+    (a, sa), (b, sb) = quantize(x, **kwargs), quantize(w, **({"operand": "b"} if mode != "tensor" else {}), **kwargs)
+    assert a.dtype == kwargs.get("dtype", E4M3) and scale_mode(a, b, sa, sb) == mode
+    out = tco.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+    ref = x.double() @ w.double()
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert rel < (0.08 if kwargs.get("dtype") == E5M2 else 0.04), rel  # 3 / 2 mantissa bits
+
+
+def test_quantizer_scales_saturation_and_zero_blocks():
+    x = torch.zeros(3, 256)
+    x[0, :128] = torch.linspace(-900, 900, 128)  # amax 900 > e4m3's 448: scaled, not clipped
+    x[1, 5] = 1e-3
+    stored, scale = fp8.quantize_blockwise(x)
+    assert scale.shape == (3, 2)
+    assert scale[0, 0] == pytest.approx(900 / 448) and scale[2, 0] == 1.0 and scale[0, 1] == 1.0  # zeros: 1
+    assert stored.float().abs().max() <= 448 and not stored.float().isnan().any()
+    back = stored.float() * scale.repeat_interleave(128, dim=1)
+    torch.testing.assert_close(back[0, :128], x[0, :128], rtol=0.07, atol=0.0)
+    b_stored, b_scale = fp8.quantize_blockwise(torch.randn(256, 300), operand="b")
+    assert b_scale.shape == (2, 3) and b_stored.shape == (256, 300)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (lambda a, b, sa, sb: (a.float(), b, sa, sb), TypeError, "a: expected dtype in"),
+    (lambda a, b, sa, sb: (a, b, sa.double(), sb), TypeError, "scale_a: expected dtype"),
+    (lambda a, b, sa, sb: (a, b[:100], sa, sb), ValueError, "b: expected size 256 at dim -2"),
+    (lambda a, b, sa, sb: (a, b, sa[:5], sb), ValueError, r"scale_a, scale_b: expected fp32 scales"),
+    (lambda a, b, sa, sb: (a, b, sa[:1, :1], sb), ValueError, r"\(37, 1\) and \(1, 150\) \(rowwise\)"),  # mixed modes
+])
+def test_named_errors(change, error, match):
+    a, b, sa, sb = change(*_operands("row"))
+    with pytest.raises(error, match=match):
+        tco.scaled_mm(a, b, sa, sb)
+
+
+def test_blockwise_needs_whole_k_blocks_and_other_checks():
+    a, b, sa, sb = _operands("block", k=200)
+    with pytest.raises(ValueError, match="a: blockwise scales need K a multiple of 128"):
+        tco.scaled_mm(a, b, sa, sb)
+    a, b, sa, sb = _operands("row")
+    with pytest.raises(TypeError, match="out_dtype"):
+        tco.scaled_mm(a, b, sa, sb, out_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="activation"):
+        tco.scaled_mm(a, b, sa, sb, activation="tanh")
+    with pytest.raises(ValueError, match="bias: expected size 150"):
+        tco.scaled_mm(a, b, sa, sb, bias=torch.zeros(7))
+    with pytest.raises(ValueError, match=r"x: blockwise scales need K \(dim -1\) a multiple of 128"):
+        fp8.quantize_blockwise(torch.randn(4, 200))
+
+
+def test_not_differentiable_says_how():
+    a, b, sa, sb = _operands("tensor")
+    sa.requires_grad_()
+    out = tco.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        out.sum().backward()
+
+
+def test_fake_opcheck_and_compile():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    a, b, sa, sb = _operands("block", lead=(2,))
+    with FakeTensorMode() as mode:
+        fake = torch.ops.cute.scaled_gemm(*(mode.from_tensor(t) for t in (a, b, sa, sb)), None, torch.float16)
+    assert fake.shape == (2, 37, 150) and fake.dtype == torch.float16
+    # test_schema compares inputs with ops that float8 lacks on the CPU; the others apply
+    torch.library.opcheck(torch.ops.cute.scaled_gemm.default, (a, b, sa, sb, None, torch.float32, None),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+    def step(x, w):
+        (qa, scale_a), (qb, scale_b) = fp8.quantize_rowwise(x), fp8.quantize_rowwise(w, operand="b")
+        return tco.scaled_mm(qa, qb, scale_a, scale_b, out_dtype=torch.float32)
+
+    x, w = torch.randn(33, 128), torch.randn(128, 48)
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(x, w), step(x, w))

@@ -1,0 +1,87 @@
+"""``cute::scaled_gemm``: FP8 matmul with per-tensor, rowwise or blockwise scales, a fused bias and
+activation (semantics: ``torch_cute_ops.reference.scaled_gemm``), with a fake function.
+
+The op, its checks and its semantics are in place; the Hopper FP8 kernel is not yet, so on CUDA
+every call takes the reference path (dequantize, fp32 matmul), counted and logged once as a
+fallback (``TORCH_CUTE_OPS_STRICT=1`` raises instead). Not differentiable: FP8 training recipes
+quantize inside their own autograd function and call the op for each of their GEMMs (the
+backward's dA = dC B^T and dB = A^T dC are scaled matmuls of the transposed operands).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference import scaled_gemm as reference
+from ..reference.gemm import ACTIVATIONS
+from . import checks, fallback
+from .schemas import lib, qualname, register_impl
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BIAS_DTYPES = OUTPUT_DTYPES
+
+
+def _expected_scales(a, b) -> str:
+    lead = "".join(f"{d}, " for d in a.shape[:-2])
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    kb, nb = -(-k // reference.BLOCK), -(-n // reference.BLOCK)
+    return (f"one element each (per tensor), ({lead}{m}, 1) and ({lead}1, {n}) (rowwise), or ({lead}{m}, {kb}) "
+            f"and ({lead}{kb}, {nb}) (blockwise, 1 x 128 and 128 x 128)")
+
+
+def _validate(a, b, scale_a, scale_b, bias, out_dtype, activation) -> tuple[tuple[int, ...], torch.dtype, str]:
+    """Raise on invalid inputs; return the output shape and dtype and the scale mode."""
+    checks.require_rank("a", a, (2, 3), "(M, K) or (L, M, K)")
+    checks.require_rank("b", b, (a.dim(),), "(K, N)" if a.dim() == 2 else "(L, K, N) like a")
+    checks.require_dtype("a", a, FP8_DTYPES)
+    checks.require_dtype("b", b, FP8_DTYPES)
+    checks.require_dtype("scale_a", scale_a, (torch.float32,))
+    checks.require_dtype("scale_b", scale_b, (torch.float32,))
+    checks.require_same_device([("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("bias", bias)])
+    checks.require_dim("b", b, -2, a.shape[-1], "K, the last dim of a")
+    if a.dim() == 3:
+        checks.require_dim("b", b, 0, a.shape[0], "L, the batch of a")
+    mode = reference.scale_mode(a, b, scale_a, scale_b)
+    if mode is None:
+        raise ValueError(f"scale_a, scale_b: expected fp32 scales of {_expected_scales(a, b)}; got "
+                         f"{tuple(scale_a.shape)} and {tuple(scale_b.shape)}")
+    if mode == "block" and a.shape[-1] % reference.BLOCK:
+        raise ValueError(f"a: blockwise scales need K a multiple of {reference.BLOCK}, got shape {tuple(a.shape)}")
+    n = b.shape[-1]
+    if bias is not None:
+        checks.require_dtype("bias", bias, BIAS_DTYPES)
+    checks.require_epilogue(bias, n, activation, ACTIVATIONS)
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    if out_dtype not in OUTPUT_DTYPES:
+        raise TypeError(f"out_dtype: expected one of {OUTPUT_DTYPES}, got {out_dtype}")
+    return (*a.shape[:-1], n), out_dtype, mode
+
+
+def scaled_gemm_impl(a, b, scale_a, scale_b, bias=None, out_dtype=None, activation=None):
+    _, out_dtype, mode = _validate(a, b, scale_a, scale_b, bias, out_dtype, activation)
+    if a.is_cuda:
+        fallback.note("scaled_gemm", f"no FP8 kernel yet ({mode} scales): the reference path")
+    return reference.scaled_gemm(a, b, scale_a, scale_b, bias, out_dtype, activation)
+
+
+register_impl("scaled_gemm", scaled_gemm_impl)
+
+
+@torch.library.register_fake(qualname("scaled_gemm"), lib=lib)
+def _scaled_gemm_fake(a, b, scale_a, scale_b, bias=None, out_dtype=None, activation=None):
+    shape, out_dtype, _ = _validate(a, b, scale_a, scale_b, bias, out_dtype, activation)
+    return a.new_empty(shape, dtype=out_dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    pass
+
+
+def _backward(ctx, grad):
+    raise RuntimeError("scaled_mm is not differentiable: quantize inside your own autograd function and call "
+                       "scaled_mm for the backward's GEMMs (dA = dC B^T, dB = A^T dC) with the scales of the "
+                       "transposed operands")
+
+
+torch.library.register_autograd(qualname("scaled_gemm"), _backward, setup_context=_setup_context, lib=lib)
