@@ -203,18 +203,26 @@ def test_packed_gqa_copies_map_token_head_pairs_to_rows():
                 assert torch.equal(lse[:, h * g + r, t], lse_rows[:, h, t * g + r])
 
 
-def test_decode_plan_runs_the_dense_kernel_on_packed_views(monkeypatch):
-    """One query token with GQA: the plan (made once per layout) picks the dense variant and each
-    call hands the kernel the packed views of q, out and lse."""
+@pytest.fixture
+def cpu_launch_plans(monkeypatch):
+    """The forward's launch plans on CPU tensors: a 132-SM device 0, placeholders for the unused
+    kernel arguments; tests set ``get_compiled`` to their stand-in kernel."""
     from torch_cute_ops.runtime import attention as flash_host
 
-    calls = []
-    monkeypatch.setattr(flash_host, "get_compiled", lambda spec: (lambda *args: calls.append((spec, args))))
     monkeypatch.setattr(flash_host, "num_sms", lambda index: 132)
     monkeypatch.setattr(flash_host, "_unused_counter", lambda index: torch.zeros(1, dtype=torch.int32))
     monkeypatch.setattr(flash_host, "_mask_placeholders", lambda index: (None, None, None))
     monkeypatch.setattr(flash_host, "_split_placeholders", lambda index, head_dim: (None, None, 1))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return flash_host
+
+
+def test_decode_plan_runs_the_dense_kernel_on_packed_views(monkeypatch, cpu_launch_plans):
+    """One query token with GQA: the plan (made once per layout) picks the dense variant and each
+    call hands the kernel the packed views of q, out and lse."""
+    flash_host = cpu_launch_plans
+    calls = []
+    monkeypatch.setattr(flash_host, "get_compiled", lambda spec: (lambda *args: calls.append((spec, args))))
     q, k = torch.randn(2, 1, 8, 64).bfloat16(), torch.randn(2, 300, 2, 64).bfloat16()
     out, lse = torch.empty_like(q), torch.empty(2, 8, 1)
     plan = flash_host.plan_fwd(q, k, k, causal=True)
@@ -229,11 +237,10 @@ def test_decode_plan_runs_the_dense_kernel_on_packed_views(monkeypatch):
     assert flash_host.plan_fwd(q, k, k, causal=False, local=True).group == 0
 
 
-def test_speculative_decode_plan_packs_token_head_pairs(monkeypatch):
+def test_speculative_decode_plan_packs_token_head_pairs(monkeypatch, cpu_launch_plans):
     """A few query tokens with GQA: the kernel sees S_q * g rows per kv head (a causal variant
     that counts g rows as one token), and out/lse come back in the caller's layout."""
-    from torch_cute_ops.runtime import attention as flash_host
-
+    flash_host = cpu_launch_plans
     calls = []
 
     def kernel(*args):
@@ -242,11 +249,6 @@ def test_speculative_decode_plan_packs_token_head_pairs(monkeypatch):
         args[4].fill_(2.0)  # lse rows
 
     monkeypatch.setattr(flash_host, "get_compiled", lambda spec: (calls.append(spec), kernel)[1])
-    monkeypatch.setattr(flash_host, "num_sms", lambda index: 132)
-    monkeypatch.setattr(flash_host, "_unused_counter", lambda index: torch.zeros(1, dtype=torch.int32))
-    monkeypatch.setattr(flash_host, "_mask_placeholders", lambda index: (None, None, None))
-    monkeypatch.setattr(flash_host, "_split_placeholders", lambda index, head_dim: (None, None, 1))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     q, k = torch.randn(2, 4, 8, 64).bfloat16(), torch.randn(2, 300, 2, 64).bfloat16()
     out, lse = torch.zeros_like(q), torch.zeros(2, 8, 4)
     plan = flash_host.plan_fwd(q, k, k, causal=True)

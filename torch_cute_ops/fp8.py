@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference.scaled_gemm import BLOCK
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from .reference.scaled_gemm import BLOCK, FP8_DTYPES
 
 
 def _fp8_max(dtype: torch.dtype) -> float:

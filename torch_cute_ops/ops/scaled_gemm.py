@@ -17,7 +17,7 @@ from ..reference.gemm import ACTIVATIONS
 from . import checks, fallback
 from .schemas import lib, qualname, register_impl
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = reference.FP8_DTYPES
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BIAS_DTYPES = OUTPUT_DTYPES
 

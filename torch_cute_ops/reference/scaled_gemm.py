@@ -19,6 +19,7 @@ import torch
 from .gemm import ACTIVATIONS
 
 BLOCK = 128  # the block edge of blockwise scales
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MODES = ("tensor", "row", "block")
 
 

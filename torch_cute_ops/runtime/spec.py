@@ -32,6 +32,13 @@ class KernelSpec:
                 return value
         raise KeyError(name)
 
+    def get(self, name: str, default: Any = None) -> Any:
+        """A parameter that only some variants carry (absent: ``default``)."""
+        for key, value in self.params:
+            if key == name:
+                return value
+        return default
+
     @property
     def name(self) -> str:
         """A readable, file-name-safe name: ``gemm_sm90_sm90a_a_major=k_..._tile=128x256``."""

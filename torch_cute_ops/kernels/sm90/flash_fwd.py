@@ -752,7 +752,7 @@ def build(spec: KernelSpec):
     dtype = _CUTE_DTYPE[spec["dtype"]]
     head_dim, causal = spec["head_dim"], spec["causal"]
     kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]), spec["local"], spec["softcap"],
-                          spec["rows"], spec["attn_mask"], spec["split_kv"], dict(spec.params).get("rows_per_query", 1))
+                          spec["rows"], spec["attn_mask"], spec["split_kv"], spec.get("rows_per_query", 1))
 
     def bhsd(elem):
         # (B, S, H, D), any strides but the last; 16-byte aligned rows for TMA
