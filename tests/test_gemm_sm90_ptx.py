@@ -52,6 +52,56 @@ def test_pingpong_ptx(tmp_path):
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
 
 
+FP8_CASES = [  # (scale mode, a, b, out, bias dtype, activation, tile)
+    ("tensor", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, None, None, GemmConfig(128, 256, 2, 1)),
+    ("row", torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.bfloat16, "gelu_tanh", GemmConfig(128, 256, 2, 1)),
+    ("block", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, None, None, GemmConfig(128, 128, 2, 1)),
+    ("block", torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.float32, None, GemmConfig(64, 128)),
+]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"{c[0]}-{c[6].tile_m}x{c[6].tile_n}")
+def test_fp8_ptx(case, tmp_path):
+    """FP8 variants: e4m3/e5m2 WGMMA over 128-wide k-tiles (k32 instructions, 4 per k-tile and
+    warpgroup batch), no spills; the scales are read from global memory a fixed number of times
+    per thread: once in the epilogue for per-tensor / rowwise ones (2 values per row-pair, one
+    per column), once per k-tile for blockwise ones (2 rows of A, one B block)."""
+    from torch_cute_ops.runtime.gemm import scaled_spec
+
+    mode, a_dtype, b_dtype, out_dtype, bias_dtype, activation, config = case
+    spec = scaled_spec(sm90_gemm, a_dtype, b_dtype, out_dtype, bias_dtype, mode, activation, config, rank=2)
+    compile_spec(spec, dump_dir=tmp_path)
+    ptx = _ptx(tmp_path)
+    names = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k32)\.f32\.(\w+)\.(\w+)", ptx))
+    assert shapes == {(f"m64n{config.tile_n}k32", names[a_dtype], names[b_dtype])}, shapes
+    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
+    scale_loads = len(re.findall(r"ld\.global(?:\.nc)?\.b32", ptx))
+    columns_per_thread = config.tile_n // 4
+    expected = {"tensor": 2, "row": 2 + columns_per_thread, "block": 3}[mode]
+    if bias_dtype == torch.float32:
+        expected += columns_per_thread
+    assert scale_loads == expected, (scale_loads, expected)
+    if mode == "block":
+        # the per-k-tile promotion: one FFMA per accumulator value, inside the k loop
+        assert len(re.findall(r"\bfma\.rn\.f32", ptx)) >= 64 * config.tile_n // 128
+
+
+def test_fp8_spec_needs_k_major_and_scales():
+    from torch_cute_ops.runtime.gemm import block_scaled_config
+
+    e4m3 = torch.float8_e4m3fn
+    reason = sm90_gemm.plan((256, 128), (1, 256), (128, 64), (1, 128), e4m3, None, None, torch.bfloat16, 0,
+                            scale_mode="row")
+    assert reason == "sm90 gemm kernel: FP8 WGMMA needs K-major operands, a is not"
+    reason = sm90_gemm.plan((256, 100), (100, 1), (100, 64), (1, 100), e4m3, None, None, torch.bfloat16, 0,
+                            scale_mode="tensor")
+    assert "stride 100 of dim" in reason  # K = 100 bytes: not a multiple of 16
+    # blockwise scales keep two accumulators: tiles narrow to 128 columns, never ping-pong
+    assert block_scaled_config(GemmConfig(128, 256, 2, 1)) == GemmConfig(128, 128, 2, 1)
+    assert block_scaled_config(GemmConfig(128, 128, pingpong=True)) == GemmConfig(128, 128)
+
+
 def _operand(batch, rows, cols, cols_major):
     t = torch.empty(batch, rows, cols) if cols_major else torch.empty(batch, cols, rows).transpose(1, 2)
     return t.to(torch.bfloat16)

@@ -1,7 +1,8 @@
 """FP8 scaled matmul on the CPU: the op's semantics for each scale mode against a float64
-computation from the stored values and scales, the quantizers' scales and error bounds, named
-errors for bad input, the fake function, opcheck and torch.compile. (There is no FP8 kernel yet:
-on CUDA the op takes the reference path, counted as a fallback.)"""
+computation from the stored values and scales, the quantizers' scales, layouts and error bounds,
+named errors for bad input (K-major operands included), the fake function, opcheck and
+torch.compile. The Hopper kernel's numbers are pinned by test_scaled_gemm_sm90_gpu.py, its
+instruction mix by test_gemm_sm90_ptx.py."""
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def _expected(a, b, sa, sb, mode, bias=None, activation=None):
 def _operands(mode, lead=(), m=37, k=256, n=150, a_dtype=E4M3, b_dtype=E4M3, seed=0):
     gen = torch.Generator().manual_seed(seed)
     a = (torch.randn(*lead, m, k, generator=gen) * 3).to(a_dtype)
-    b = (torch.randn(*lead, k, n, generator=gen) * 3).to(b_dtype)
+    b = (torch.randn(*lead, n, k, generator=gen) * 3).to(b_dtype).mT  # K-major (K, N)
     rand = lambda *shape: torch.rand(*shape, generator=gen) + 0.5  # noqa: E731
     if mode == "tensor":
         sa, sb = rand(()), rand(1)
@@ -62,13 +63,25 @@ def test_each_scale_mode_matches_float64(mode, lead):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-3)
 
 
-def test_bias_activation_e5m2_and_a_transposed_operand():
+def test_bias_activation_and_e5m2_operand():
     a, b, sa, sb = _operands("row", a_dtype=E5M2, m=40, k=128, n=64, seed=3)
     bias = torch.randn(64).bfloat16()
-    a_t = a.t().contiguous().t()  # column-major a
-    out = tco.scaled_mm(a_t, b, sa, sb, bias=bias, activation="gelu_tanh")
+    out = tco.scaled_mm(a, b, sa, sb, bias=bias, activation="gelu_tanh")
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), _expected(a, b, sa, sb, "row", bias, "gelu_tanh"), rtol=1e-2, atol=1e-2)
+
+
+def test_operands_must_be_k_major_on_every_device():
+    """FP8 tensor cores read K-major smem: a column-major a or a row-major b is a named error
+    (as in torch._scaled_mm), not a silent copy; the message says which layout is expected."""
+    a, b, sa, sb = _operands("row", m=40, k=128, n=64)
+    with pytest.raises(ValueError, match=r"a: FP8 matmul needs K-major operands .* a \(M, K\) must be row-major"):
+        tco.scaled_mm(a.t().contiguous().t(), b, sa, sb)
+    with pytest.raises(ValueError, match=r"b: FP8 matmul needs K-major .* w.t\(\) of a row-major \(N, K\) weight"):
+        tco.scaled_mm(a, b.contiguous(), sa, sb)
+    # size-1 dims carry no majorness: a single row of a, a single column of b are accepted
+    out = tco.scaled_mm(a[:1], b[:, :1].contiguous(), sa[:1], sb[:, :1], out_dtype=torch.float32)
+    assert out.shape == (1, 1)
 
 
 @pytest.mark.parametrize("quantize,mode,kwargs", [
@@ -81,7 +94,7 @@ def test_quantizers_feed_the_op_within_fp8_error(quantize, mode, kwargs):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(70, 384, generator=gen).bfloat16()
     w = torch.randn(384, 200, generator=gen).bfloat16()
-    (a, sa), (b, sb) = quantize(x, **kwargs), quantize(w, **({"operand": "b"} if mode != "tensor" else {}), **kwargs)
+    (a, sa), (b, sb) = quantize(x, **kwargs), quantize(w, operand="b", **kwargs)
     assert a.dtype == kwargs.get("dtype", E4M3) and scale_mode(a, b, sa, sb) == mode
     out = tco.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
     ref = x.double() @ w.double()
@@ -101,6 +114,13 @@ def test_quantizer_scales_saturation_and_zero_blocks():
     torch.testing.assert_close(back[0, :128], x[0, :128], rtol=0.07, atol=0.0)
     b_stored, b_scale = fp8.quantize_blockwise(torch.randn(256, 300), operand="b")
     assert b_scale.shape == (2, 3) and b_stored.shape == (256, 300)
+    assert b_stored.stride() == (1, 256)  # b comes back K-major, as scaled_mm takes it
+    for quantize in (fp8.quantize_rowwise, fp8.quantize_tensorwise):
+        kwargs = {"operand": "b"}
+        assert quantize(torch.randn(256, 300), **kwargs)[0].stride() == (1, 256)
+        assert quantize(torch.randn(256, 300))[0].stride() == (300, 1)
+    with pytest.raises(ValueError, match="operand: expected 'a' or 'b'"):
+        fp8.quantize_rowwise(torch.randn(4, 8), operand="c")
 
 
 @pytest.mark.parametrize("change,error,match", [

@@ -40,7 +40,7 @@ def _validate(a, b, bias, activation, out_dtype) -> tuple[tuple[int, ...], torch
     return (*a.shape[:-1], n), out_dtype
 
 
-class _Plan:
+class LayoutPlan:
     """What one operand layout needs per call: the output, and the kernel launch or the
     reason no kernel covers it (None on CPU)."""
 
@@ -50,13 +50,12 @@ class _Plan:
         self.shape, self.out_dtype, self.launch, self.reason = shape, out_dtype, launch, reason
 
 
-_plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096
 
 
-def _make_plan(key, a, b, bias, activation, out_dtype) -> _Plan:
-    """Validate (raises on invalid input) and decide the kernel for one layout, once."""
-    shape, out_dtype = _validate(a, b, bias, activation, out_dtype)
+def plan_layout(plans: dict, key, shape, out_dtype, a, b, bias, activation, **variant) -> LayoutPlan:
+    """Decide (once per layout, after validation) the GEMM kernel launch of an op's call and
+    remember it in ``plans`` under ``key``; ``variant`` goes to the host's plan (FP8 scales)."""
     launch = reason = None
     if a.is_cuda:
         host = dispatch.kernel_for("gemm", a.device)
@@ -65,14 +64,22 @@ def _make_plan(key, a, b, bias, activation, out_dtype) -> _Plan:
         elif math.prod(shape) > 0:
             bias_layout = None if bias is None else (tuple(bias.shape), bias.stride())
             launch = host.plan(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype, bias_layout,
-                               activation, out_dtype, dispatch.device_index(a.device))
+                               activation, out_dtype, dispatch.device_index(a.device), **variant)
             if isinstance(launch, str):
                 launch, reason = None, launch
-    plan = _Plan(shape, out_dtype, launch, reason)
-    if len(_plans) >= _MAX_PLANS:
-        _plans.clear()
-    _plans[key] = plan
+    plan = LayoutPlan(shape, out_dtype, launch, reason)
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
     return plan
+
+
+_plans: dict[tuple, LayoutPlan] = {}
+
+
+def _make_plan(key, a, b, bias, activation, out_dtype) -> LayoutPlan:
+    shape, out_dtype = _validate(a, b, bias, activation, out_dtype)
+    return plan_layout(_plans, key, shape, out_dtype, a, b, bias, activation)
 
 
 def gemm_impl(a, b, bias=None, activation=None, out_dtype=None, alpha=1.0):

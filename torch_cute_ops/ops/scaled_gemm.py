@@ -1,8 +1,13 @@
 """``cute::scaled_gemm``: FP8 matmul with per-tensor, rowwise or blockwise scales, a fused bias and
 activation (semantics: ``torch_cute_ops.reference.scaled_gemm``), with a fake function.
 
-The op, its checks and its semantics are in place; the Hopper FP8 kernel is not yet, so on CUDA
-every call takes the reference path (dequantize, fp32 matmul), counted and logged once as a
+Operands are K-major, as FP8 tensor cores read them and as torch._scaled_mm requires: a (M, K)
+row-major, b (K, N) column-major (``w.t()`` of a row-major (N, K) weight; the quantizers of
+``torch_cute_ops.fp8`` return b that way). Anything else is a named error on every device.
+
+On Hopper the persistent sm90 GEMM kernel runs it (``kernels/sm90/gemm.py``: scales in the
+epilogue, or per 128-wide k-tile for blockwise ones); layouts it cannot take (K not a multiple
+of 16, misaligned pointers) and other GPUs take the reference path, counted and logged once as a
 fallback (``TORCH_CUTE_OPS_STRICT=1`` raises instead). Not differentiable: FP8 training recipes
 quantize inside their own autograd function and call the op for each of their GEMMs (the
 backward's dA = dC B^T and dB = A^T dC are scaled matmuls of the transposed operands).
@@ -14,7 +19,9 @@ import torch
 
 from ..reference import scaled_gemm as reference
 from ..reference.gemm import ACTIVATIONS
+from ..runtime.gemm import operand_strides, pointer_reason
 from . import checks, fallback
+from .gemm import LayoutPlan, plan_layout
 from .schemas import lib, qualname, register_impl
 
 FP8_DTYPES = reference.FP8_DTYPES
@@ -30,6 +37,15 @@ def _expected_scales(a, b) -> str:
             f"and ({lead}{kb}, {nb}) (blockwise, 1 x 128 and 128 x 128)")
 
 
+def _require_k_major(name: str, t: torch.Tensor, layout: str) -> None:
+    shape3 = (1, *t.shape[-2:])
+    stride3 = (0, *t.stride()[-2:])
+    _, cols_major = operand_strides(shape3, stride3, t.element_size())
+    if cols_major != (name == "a"):
+        raise ValueError(f"{name}: FP8 matmul needs K-major operands (FP8 tensor cores read K-major shared memory): "
+                         f"{layout}, got shape {tuple(t.shape)} with strides {t.stride()}")
+
+
 def _validate(a, b, scale_a, scale_b, bias, out_dtype, activation) -> tuple[tuple[int, ...], torch.dtype, str]:
     """Raise on invalid inputs; return the output shape and dtype and the scale mode."""
     checks.require_rank("a", a, (2, 3), "(M, K) or (L, M, K)")
@@ -42,6 +58,8 @@ def _validate(a, b, scale_a, scale_b, bias, out_dtype, activation) -> tuple[tupl
     checks.require_dim("b", b, -2, a.shape[-1], "K, the last dim of a")
     if a.dim() == 3:
         checks.require_dim("b", b, 0, a.shape[0], "L, the batch of a")
+    _require_k_major("a", a, "a (M, K) must be row-major")
+    _require_k_major("b", b, "b (K, N) must be column-major, e.g. w.t() of a row-major (N, K) weight")
     mode = reference.scale_mode(a, b, scale_a, scale_b)
     if mode is None:
         raise ValueError(f"scale_a, scale_b: expected fp32 scales of {_expected_scales(a, b)}; got "
@@ -58,11 +76,33 @@ def _validate(a, b, scale_a, scale_b, bias, out_dtype, activation) -> tuple[tupl
     return (*a.shape[:-1], n), out_dtype, mode
 
 
+_plans: dict[tuple, LayoutPlan] = {}
+
+
+def _make_plan(key, a, b, scale_a, scale_b, bias, out_dtype, activation) -> LayoutPlan:
+    shape, out_dtype, mode = _validate(a, b, scale_a, scale_b, bias, out_dtype, activation)
+    plan = plan_layout(_plans, key, shape, out_dtype, a, b, bias, activation, b_dtype=b.dtype,
+                       bias_dtype=None if bias is None else bias.dtype, scale_mode=mode)
+    if plan.reason is not None:
+        plan.reason = f"{plan.reason} ({mode} scales)"
+    return plan
+
+
 def scaled_gemm_impl(a, b, scale_a, scale_b, bias=None, out_dtype=None, activation=None):
-    _, out_dtype, mode = _validate(a, b, scale_a, scale_b, bias, out_dtype, activation)
-    if a.is_cuda:
-        fallback.note("scaled_gemm", f"no FP8 kernel yet ({mode} scales): the reference path")
-    return reference.scaled_gemm(a, b, scale_a, scale_b, bias, out_dtype, activation)
+    key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, scale_a.shape,
+           scale_a.dtype, scale_a.device, scale_b.shape, scale_b.dtype, scale_b.device,
+           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device), out_dtype, activation)
+    plan = _plans.get(key) or _make_plan(key, a, b, scale_a, scale_b, bias, out_dtype, activation)
+    reason = plan.reason
+    if plan.launch is not None:
+        reason = pointer_reason(a, b, bias)
+        if reason is None:
+            out = torch.empty(plan.shape, dtype=plan.out_dtype, device=a.device)
+            plan.launch(a, b, scale_a, scale_b, bias, out)
+            return out
+    if reason is not None:
+        fallback.note("scaled_gemm", reason)
+    return reference.scaled_gemm(a, b, scale_a, scale_b, bias, plan.out_dtype, activation)
 
 
 register_impl("scaled_gemm", scaled_gemm_impl)

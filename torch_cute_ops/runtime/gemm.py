@@ -22,8 +22,10 @@ from .spec import KernelSpec
 from .tma import TMA_ALIGN_BYTES, tma_reason
 
 ACTIVATIONS = ("relu", "gelu_tanh", "silu")  # the epilogues the kernels compile (kernels/common/activation.py)
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+               torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -100,11 +102,13 @@ def out_strides(shape3, element_size) -> tuple[int, int, int]:
 # ----------------------------------------------------------------------------- coverage
 
 def layout_reason(kernel: str, a_dtype, a_shape, a_stride, b_shape, b_stride, bias_layout, activation,
-                  out_dtype) -> str | None:
+                  out_dtype, scale_mode: str | None = None) -> str | None:
     """Why a TMA GEMM kernel cannot take these (L, M, K) / (L, K, N) layouts, or None.
     The op layer has validated shapes and dtypes; pointers are checked per call."""
-    if a_dtype not in INPUT_DTYPES:
+    if scale_mode is None and a_dtype not in INPUT_DTYPES:
         return f"{kernel}: inputs must be bf16 or fp16, got {a_dtype}"
+    if scale_mode is not None and a_dtype not in FP8_DTYPES:
+        return f"{kernel}: scaled inputs must be float8_e4m3fn or float8_e5m2, got {a_dtype}"
     if out_dtype not in OUT_DTYPES:
         return f"{kernel}: out dtype must be bf16, fp16 or fp32, got {out_dtype}"
     if activation is not None and activation not in ACTIVATIONS:
@@ -115,6 +119,8 @@ def layout_reason(kernel: str, a_dtype, a_shape, a_stride, b_shape, b_stride, bi
         return f"{kernel}: K == 0 (the TMA needs non-empty operands)"
     for name, shape, stride in (("a", a_shape, a_stride), ("b", b_shape, b_stride)):
         strides, cols_major = operand_strides(shape, stride, a_dtype.itemsize)
+        if scale_mode is not None and cols_major != (name == "a"):
+            return f"{kernel}: FP8 WGMMA needs K-major operands, {name} is not"
         meta = torch.empty_strided(shape, strides, dtype=a_dtype, device="meta")
         reason = tma_reason(name, meta, (2 if cols_major else 1,))
         if reason:
@@ -154,17 +160,41 @@ class GemmLaunch:
         self.fn, self.grid, self.spec = fn, grid, spec
         self.a_view, self.b_view, self.out_view = a_view, b_view, out_view
 
-    def __call__(self, a, b, bias, out, alpha: float) -> None:
+    def views(self, a, b, out):
+        """The tensors as the kernel takes them (free views)."""
         if self.a_view is not None:
             a = a.as_strided(*self.a_view)
         if self.b_view is not None:
             b = b.as_strided(*self.b_view)
         if self.out_view is not None:
             out = out.as_strided(*self.out_view)
+        return a, b, out
+
+    def __call__(self, a, b, bias, out, alpha: float) -> None:
+        a, b, out = self.views(a, b, out)
         if bias is None:
             self.fn(a, b, out, alpha, self.grid)
         else:
             self.fn(a, b, bias, out, alpha, self.grid)
+
+
+class ScaledGemmLaunch(GemmLaunch):
+    """An FP8 variant's launch: the scales ride along (one-element ones as a 1-vector)."""
+
+    __slots__ = ("scalar_scales",)
+
+    def __init__(self, fn, grid: int, a_view, b_view, out_view, spec: KernelSpec):
+        super().__init__(fn, grid, a_view, b_view, out_view, spec)
+        self.scalar_scales = spec["scale"] == "tensor"
+
+    def __call__(self, a, b, scale_a, scale_b, bias, out) -> None:
+        a, b, out = self.views(a, b, out)
+        if self.scalar_scales:
+            scale_a, scale_b = scale_a.reshape(1), scale_b.reshape(1)
+        if bias is None:
+            self.fn(a, b, scale_a, scale_b, out, self.grid)
+        else:
+            self.fn(a, b, scale_a, scale_b, bias, out, self.grid)
 
 
 class GemmHost:
@@ -177,12 +207,16 @@ class GemmHost:
         return gemm_spec(self.family, self.arch, *args, **kwargs)
 
     def plan(self, a_shape, a_stride, b_shape, b_stride, dtype, bias_layout, activation, out_dtype,
-             device_index: int, config: GemmConfig | None = None) -> GemmLaunch | str:
+             device_index: int, config: GemmConfig | None = None, *, b_dtype=None, bias_dtype=None,
+             scale_mode: str | None = None) -> GemmLaunch | str:
         """The launch of one layout (2-D or 3-D operands, as the op received them), or the
         reason no kernel covers it. Resolves (maybe compiles) the variant: call it outside
-        tracing, once per layout."""
+        tracing, once per layout. With ``scale_mode`` ("tensor", "row", "block") the operands
+        are FP8 (a's dtype ``dtype``, b's ``b_dtype``) and the launch a :class:`ScaledGemmLaunch`."""
         a3, b3 = _as_3d(a_shape, a_stride), _as_3d(b_shape, b_stride)
-        reason = layout_reason(self.kernel_name, dtype, *a3, *b3, bias_layout, activation, out_dtype)
+        if scale_mode is not None and self.arch != "sm_90a":
+            return f"{self.kernel_name}: no FP8 variant"
+        reason = layout_reason(self.kernel_name, dtype, *a3, *b3, bias_layout, activation, out_dtype, scale_mode)
         if reason:
             return reason
         (batch, m, k), n = a3[0], b3[0][2]
@@ -193,13 +227,20 @@ class GemmHost:
         rank = len(a_shape)  # 2-D operands take the rank-2 variant: no 3-D views per call
         sms = sm_count(device_index)
         config = config or choose_config(self.arch, m, n, k, batch, sms)
-        spec = self.spec(DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], a_k_major, not b_n_major,
-                         bias_layout is not None, activation, config, rank)
+        if scale_mode is None:
+            spec = self.spec(DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], a_k_major, not b_n_major,
+                             bias_layout is not None, activation, config, rank)
+            launch_type = GemmLaunch
+        else:
+            config = config if scale_mode != "block" else block_scaled_config(config)
+            spec = scaled_spec(self, dtype, b_dtype or dtype, out_dtype, bias_dtype if bias_layout else None,
+                               scale_mode, activation, config, rank)
+            launch_type = ScaledGemmLaunch
         out_received = tuple(a_shape[:-1]) + (n,)
         views = (_view(a_shape, a_stride, a3[0][3 - rank:], a_strides[3 - rank:]),
                  _view(b_shape, b_stride, b3[0][3 - rank:], b_strides[3 - rank:]),
                  _view(out_received, _contiguous_strides(out_received), out_shape[3 - rank:], o_strides[3 - rank:]))
-        return GemmLaunch(get_compiled(spec), sms // (config.cluster_m * config.cluster_n), *views, spec)
+        return launch_type(get_compiled(spec), sms // (config.cluster_m * config.cluster_n), *views, spec)
 
     def launch(self, a, b, bias, activation, out, alpha: float = 1.0, config: GemmConfig | None = None) -> None:
         """out = act(alpha * a @ b + bias) on the current stream, uncached (tests, benchmarks):
@@ -225,6 +266,25 @@ class GemmHost:
 
     def shipped(self) -> list[KernelSpec]:
         return _SHIPPED[self.arch](self)
+
+
+def scaled_spec(host: GemmHost, a_dtype, b_dtype, out_dtype, bias_dtype, scale_mode: str, activation,
+                config: GemmConfig, rank: int = 3) -> KernelSpec:
+    """An FP8 variant (K-major a and b): the 16-bit spec's parameters plus b's dtype, the scale
+    mode and, with a bias, its dtype."""
+    extra = {"b": DTYPE_NAMES[b_dtype], "scale": scale_mode}
+    if bias_dtype is not None:
+        extra["bias_dtype"] = DTYPE_NAMES[bias_dtype]
+    return KernelSpec.make(host.family, host.arch, ab=DTYPE_NAMES[a_dtype], out=DTYPE_NAMES[out_dtype], a_major="k",
+                           b_major="k", bias=bias_dtype is not None, act=activation or "none", rank=rank,
+                           **config.spec_params(), **extra)
+
+
+def block_scaled_config(config: GemmConfig) -> GemmConfig:
+    """Blockwise scales keep a second accumulator per k-tile: at most 128 columns, cooperative."""
+    if config.tile_n <= 128 and not config.pingpong:
+        return config
+    return GemmConfig(config.tile_m, 128, config.cluster_m, config.cluster_n, config.group_size, config.band_along_m)
 
 
 @functools.cache

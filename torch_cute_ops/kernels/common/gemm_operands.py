@@ -34,3 +34,20 @@ def fake_operand(dtype, cols_major: bool, rank: int = 3):
         stride = (cute.sym_int64(divisibility=per_16b), *stride)
     shape = tuple(cute.sym_int32() for _ in range(rank))
     return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=TMA_ALIGN_BYTES)
+
+
+def scales_to_kernel_order(mS: cute.Tensor) -> cute.Tensor:
+    """FP8 scales ([L,] R, C) in (R, C, L) order, like the operands they scale."""
+    if cutlass.const_expr(cute.rank(mS.layout) == 2):
+        return cute.make_tensor(mS.iterator, cute.append(mS.layout, cute.make_layout(1, stride=0)))
+    return cute.make_tensor(mS.iterator, cute.select(mS.layout, mode=[1, 2, 0]))
+
+
+def fake_scales(scale_mode: str, rank: int):
+    """Fake fp32 scales: one value (mode "tensor", a 1-element vector), else ([L,] R, C) of
+    any strides (rowwise (M, 1) / (1, N), blockwise (M, K/128) / (K/128, N/128))."""
+    if scale_mode == "tensor":
+        return cute.runtime.make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4)
+    shape = tuple(cute.sym_int32() for _ in range(rank))
+    stride = tuple(cute.sym_int64() for _ in range(rank))
+    return cute.runtime.make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=4)

@@ -1,4 +1,5 @@
-"""Hopper (sm_90a) persistent GEMM: out = act(alpha * A @ B + bias), fp32 accumulation.
+"""Hopper (sm_90a) persistent GEMM: out = act(alpha * A @ B + bias), fp32 accumulation, with
+16-bit operands or FP8 ones under per-tensor, rowwise or blockwise scales.
 
 Kernel convention: A is (M, K, L), B is (N, K, L), C is (M, N, L); each of A and B
 is K-major or M/N-major (decided at compile time from which stride is the static
@@ -24,6 +25,13 @@ One CTA = one producer warpgroup + two consumer warpgroups (one for 64-row tiles
   outputs are stored from registers with M/N predicates. Meanwhile the producer
   already prefetches the next tile's k-tiles.
 
+FP8 (``scale_mode`` set; e4m3 / e5m2, both operands K-major as FP8 WGMMA requires): k-tiles
+are 128 wide (128 bytes, one swizzle atom, as for 16-bit types). "tensor" and "row" scales
+multiply the fp32 accumulator in the epilogue; "block" scales (1 x 128 blocks of A, 128 x 128
+of B) are applied per k-tile: each k-tile's WGMMA batch accumulates into a fresh fp32
+fragment that is then added to the running one times ``scale_a[row] * scale_b[block]``, so
+the tensor cores' reduced-precision FP8 accumulation never spans more than 128 of K.
+
 The tile schedule is :class:`~..common.tile_scheduler.PersistentTileScheduler`
 (banded rasterization for L2 reuse); the tile/cluster come from
 :func:`torch_cute_ops.runtime.gemm_config.choose_config`.
@@ -42,14 +50,17 @@ from ...runtime.gemm_config import GemmConfig
 from ...runtime.spec import KernelSpec
 from ...runtime.tma import TMA_ALIGN_BYTES
 from ..common.activation import apply_activation
-from ..common.gemm_operands import fake_operand, to_kernel_order
+from ..common.gemm_operands import fake_operand, fake_scales, scales_to_kernel_order, to_kernel_order
 from ..common.tile_scheduler import PersistentTileScheduler
 
 
 # spec dtype string -> DSL type
-_DSL_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32}
+_DSL_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32,
+              "e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
 
-TILE_K = 64  # 128 bytes of 16-bit K per smem row: the 128B swizzle atom
+TILE_K_BYTES = 128  # one smem row of a k-tile: the 128B swizzle atom (64 16-bit or 128 FP8 values)
+SCALE_MODES = (None, "tensor", "row", "block")
+SCALE_BLOCK = 128  # the K (and B's N) extent of one blockwise scale
 _SMEM_RESERVED_BYTES = 1024  # mbarriers and alignment slack
 _MAX_AB_STAGES = 8
 
@@ -67,17 +78,27 @@ class Sm90Gemm:
     """
 
     def __init__(self, ab_dtype, out_dtype, a_k_major: bool, b_k_major: bool, has_bias: bool,
-                 activation, config: GemmConfig):
+                 activation, config: GemmConfig, b_dtype=None, bias_dtype=None, scale_mode=None):
         if config.tile_m not in (64, 128) or config.tile_n not in (64, 128, 192, 256):
             raise ValueError(f"unsupported sm90 tile {config.tile_mn}")
-        self.ab_dtype = ab_dtype
+        if scale_mode not in SCALE_MODES:
+            raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+        if ab_dtype.width == 8 and not (a_k_major and b_k_major and scale_mode):
+            raise ValueError("FP8 operands need scales and K-major A and B (FP8 WGMMA reads K-major smem only)")
+        if scale_mode == "block" and (config.tile_n > SCALE_BLOCK or config.pingpong):
+            # the per-k-tile fragment doubles the accumulator registers; one B scale per tile
+            raise ValueError(f"blockwise scales need a cooperative tile of at most 128 columns, got {config}")
+        self.ab_dtype = ab_dtype  # A's dtype (B's too unless b_dtype says otherwise)
+        self.b_dtype = b_dtype or ab_dtype
+        self.bias_dtype = bias_dtype or ab_dtype
+        self.scale_mode = scale_mode
         self.out_dtype = out_dtype
         self.a_k_major = a_k_major
         self.b_k_major = b_k_major
         self.has_bias = has_bias
         self.activation = activation
         self.config = config
-        self.tile_shape_mnk = (config.tile_m, config.tile_n, TILE_K)
+        self.tile_shape_mnk = (config.tile_m, config.tile_n, TILE_K_BYTES * 8 // ab_dtype.width)
         self.cluster_shape_mn = config.cluster_mn
         self.pingpong = config.pingpong
         # warpgroups that share one tile (each owns 64 rows) and tile groups in flight
@@ -99,7 +120,7 @@ class Sm90Gemm:
 
     def _ab_stages(self) -> int:
         tile_m, tile_n, tile_k = self.tile_shape_mnk
-        stage_bytes = (tile_m + tile_n) * tile_k * self.ab_dtype.width // 8
+        stage_bytes = (tile_m * self.ab_dtype.width + tile_n * self.b_dtype.width) * tile_k // 8
         free = utils.get_smem_capacity_in_bytes("sm_90") - _SMEM_RESERVED_BYTES - self._epi_smem_bytes()
         return min(free // stage_bytes, _MAX_AB_STAGES)
 
@@ -121,16 +142,31 @@ class Sm90Gemm:
         # without bias the kernel never reads its bias argument; C stands in for it
         self._launch(mA, mB, mC, mC, alpha, max_clusters, stream)
 
-    def _launch(self, mA, mB, mBias, mC, alpha, max_clusters, stream):
+    @cute.jit
+    def run_scaled(self, mA: cute.Tensor, mB: cute.Tensor, mScaleA: cute.Tensor, mScaleB: cute.Tensor,
+                   mC: cute.Tensor, max_clusters: Int32, stream):
+        self._launch(mA, mB, mC, mC, Float32(1.0), max_clusters, stream, mScaleA, mScaleB)
+
+    @cute.jit
+    def run_scaled_with_bias(self, mA: cute.Tensor, mB: cute.Tensor, mScaleA: cute.Tensor,
+                             mScaleB: cute.Tensor, mBias: cute.Tensor, mC: cute.Tensor, max_clusters: Int32,
+                             stream):
+        self._launch(mA, mB, mBias, mC, Float32(1.0), max_clusters, stream, mScaleA, mScaleB)
+
+    def _launch(self, mA, mB, mBias, mC, alpha, max_clusters, stream, mScaleA=None, mScaleB=None):
         mA, mB, mC = to_kernel_order(mA, mB, mC)
+        if cutlass.const_expr(self.scale_mode is None):
+            mScaleA = mScaleB = mC  # never read
+        elif cutlass.const_expr(self.scale_mode != "tensor"):
+            mScaleA, mScaleB = scales_to_kernel_order(mScaleA), scales_to_kernel_order(mScaleB)
         a_layout = utils.LayoutEnum.ROW_MAJOR if self.a_k_major else utils.LayoutEnum.COL_MAJOR
         b_layout = utils.LayoutEnum.ROW_MAJOR if self.b_k_major else utils.LayoutEnum.COL_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            self.ab_dtype, self.b_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
             Float32, (self.tile_wgs, 1, 1), tiler_mn=(64, self.tile_shape_mnk[1]),
         )
         sA_layout = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stages)
-        sB_layout = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stages)
+        sB_layout = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape_mnk, self.b_dtype, self.ab_stages)
         # each tile group has its own ring of epi_stages subtiles
         sC_layout = sm90_utils.make_smem_layout_epi(
             self.out_dtype, utils.LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages * self.num_tile_groups)
@@ -160,13 +196,13 @@ class Sm90Gemm:
         class SharedStorage:
             ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sA_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sB_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(sB_layout)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, sC_elems], 1024]
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tensor_c, mBias, alpha,
-            tiled_mma, sA_layout, sB_layout, sC_layout,
+            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tensor_c, mBias, mScaleA, mScaleB,
+            alpha, tiled_mma, sA_layout, sB_layout, sC_layout,
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
@@ -184,8 +220,8 @@ class Sm90Gemm:
     # ---- device side -----------------------------------------------------------------
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
-               mB_nkl: cute.Tensor, tma_atom_c, mC_mnl: cute.Tensor, mBias: cute.Tensor,
-               alpha: Float32, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+               mB_nkl: cute.Tensor, tma_atom_c, mC_mnl: cute.Tensor, mBias: cute.Tensor, mScaleA: cute.Tensor,
+               mScaleB: cute.Tensor, alpha: Float32, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
                sC_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -213,7 +249,7 @@ class Sm90Gemm:
             # a stage is read (and released) by the warpgroups of one tile group
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile_threads),
             tx_count=cute.size_in_bytes(self.ab_dtype, cute.slice_(sA_layout, (None, None, 0)))
-            + cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0))),
+            + cute.size_in_bytes(self.b_dtype, cute.slice_(sB_layout, (None, None, 0))),
             cta_layout_vmnk=cute.make_layout((1, *cluster_layout_mnk.shape)),
             enable_multicast_signaling=True,
             defer_sync=True,
@@ -237,8 +273,8 @@ class Sm90Gemm:
                               cluster_layout_mnk, cluster_coord_mnk, num_k_tiles)
         else:
             cute.arch.warpgroup_reg_alloc(self.mma_regs)
-            self._consume(ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, alpha, sA, sB, sC,
-                          num_k_tiles, tidx - 128)
+            self._consume(ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, mScaleA, mScaleB, alpha,
+                          sA, sB, sC, num_k_tiles, tidx - 128)
 
     @cute.jit
     def _produce(self, ab_pipeline, sched, tma_atom_a, tma_atom_b, gA, gB, sA, sB,
@@ -275,8 +311,8 @@ class Sm90Gemm:
         ab_pipeline.producer_tail(state)
 
     @cute.jit
-    def _consume(self, ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, alpha, sA, sB, sC,
-                 num_k_tiles, mma_tidx):
+    def _consume(self, ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, mScaleA, mScaleB, alpha,
+                 sA, sB, sC, num_k_tiles, mma_tidx):
         """WGMMA main loop, then the fused epilogue, for every tile of this tile group."""
         group = mma_tidx // self.tile_threads
         group_tidx = mma_tidx % self.tile_threads
@@ -288,6 +324,10 @@ class Sm90Gemm:
         # (m, n) of each accumulator value inside the tile
         tCcC = tiled_mma.get_slice(group_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
         acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+        if cutlass.const_expr(self.scale_mode == "block"):
+            acc_k_tile = cute.make_rmem_tensor(tCcC.shape, Float32)  # one k-tile's partial sums
+        if cutlass.const_expr(self.scale_mode == "tensor"):
+            alpha = alpha * mScaleA[0] * mScaleB[0]
         if cutlass.const_expr(not self.direct_store):
             # 16-bit out: registers -> stmatrix -> this group's smem ring -> TMA store
             r2s_copy = cute.make_tiled_copy_S(
@@ -332,31 +372,29 @@ class Sm90Gemm:
         while work_idx < num_work_units:
             tile_m_idx, tile_n_idx, batch_idx = sched.tile_coord(work_idx)
 
-            # ---- main loop: one wgmma batch in flight; a stage is released once the
-            # batch that read it retired. k-tile 0 is peeled: it zero-initializes acc.
             if cutlass.const_expr(self.pingpong):
                 my_turn.arrive_and_wait()
-            ab_pipeline.consumer_wait(read_state)
-            self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, zero_init=True)
-            read_state.advance()
-            for k_tile in cutlass.range(1, num_k_tiles, unroll=1):
-                ab_pipeline.consumer_wait(read_state)
-                self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, zero_init=False)
-                warpgroup.wait_group(1)
-                ab_pipeline.consumer_release(release_state)
-                release_state.advance()
-                read_state.advance()
+            if cutlass.const_expr(self.scale_mode == "block"):
+                read_state = self._mainloop_block_scaled(
+                    ab_pipeline, tiled_mma, acc, acc_k_tile, tCrA, tCrB, read_state, num_k_tiles, mScaleA, mScaleB,
+                    tCcC, tile_m_idx * tile_m, tile_n_idx * tile_n, mC_mnl.shape, batch_idx)
+                release_state = read_state.clone()
+            else:
+                read_state, release_state = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, read_state,
+                                                           release_state, num_k_tiles)
             if cutlass.const_expr(self.pingpong):
                 other_turn.arrive()
-            warpgroup.wait_group(0)
-            ab_pipeline.consumer_release(release_state)
-            release_state.advance()
+            if cutlass.const_expr(self.scale_mode != "block"):
+                warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
             if cutlass.const_expr(self.num_tile_groups > 1):
                 read_state = _advance_state(read_state, skip)
                 release_state = _advance_state(release_state, skip)
 
             # ---- epilogue: alpha, bias and activation in fp32 registers, then out
-            self._scale_add_bias(acc, alpha, tCcC, mBias, tile_n_idx * tile_n, mC_mnl.shape[1])
+            self._scale_add_bias(acc, alpha, tCcC, mBias, mScaleA, mScaleB, tile_m_idx * tile_m, tile_n_idx * tile_n,
+                                 mC_mnl.shape, batch_idx)
             apply_activation(acc, self.activation)
             if cutlass.const_expr(self.direct_store):
                 self._store_direct(acc, tCcC, mC_mnl, tile_m_idx, tile_n_idx, batch_idx)
@@ -391,6 +429,58 @@ class Sm90Gemm:
                 store_pipeline.producer_tail()
 
     @cute.jit
+    def _mainloop(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, read_state, release_state, num_k_tiles):
+        """acc = this tile's A @ B with one wgmma batch in flight; a stage is released once the
+        batch that read it retired. k-tile 0 is peeled: it zero-initializes acc. The last
+        batch is left in flight (the caller waits for it and releases its stage)."""
+        ab_pipeline.consumer_wait(read_state)
+        self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, zero_init=True)
+        read_state.advance()
+        for k_tile in cutlass.range(1, num_k_tiles, unroll=1):
+            ab_pipeline.consumer_wait(read_state)
+            self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, zero_init=False)
+            warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+            read_state.advance()
+        return read_state, release_state
+
+    @cute.jit
+    def _mainloop_block_scaled(self, ab_pipeline, tiled_mma, acc, acc_k_tile, tCrA, tCrB, read_state, num_k_tiles,
+                               mScaleA, mScaleB, tCcC, row_start, col_start, mn_shape, batch_idx):
+        """acc = sum over k-tiles of (A_k @ B_k) * scale_a[row, k] * scale_b[k, col // 128].
+
+        Each k-tile's batch accumulates into ``acc_k_tile`` from zero and is waited for, then
+        promoted into ``acc`` with one FFMA per value. The scales of a k-tile are loaded before
+        its stage wait, so their latency hides under it and under the WGMMA.
+        """
+        # The wgmma C fragment of a thread holds values ((2 cols, 2 rows, n/8 col groups), m, 1):
+        # its rows, and its single 128-column block, are the same for every k-tile.
+        frag_rows = cute.size(acc, mode=[1]) * 2
+        last_row = mn_shape[0] - 1
+        rows = cute.make_rmem_tensor((frag_rows,), Int32)
+        for r in cutlass.range_constexpr(frag_rows):
+            rows[r] = cutlass.min(row_start + tCcC[((0, r % 2, 0), r // 2, 0)][0], last_row)
+        col_block = col_start // SCALE_BLOCK
+        row_scale = cute.make_rmem_tensor((frag_rows,), Float32)
+        acc.fill(0.0)
+        for k_tile in cutlass.range(num_k_tiles, unroll=1):
+            block_scale = mScaleB[k_tile, col_block, batch_idx]
+            for r in cutlass.range_constexpr(frag_rows):
+                row_scale[r] = mScaleA[rows[r], k_tile, batch_idx]
+            ab_pipeline.consumer_wait(read_state)
+            self._mma_k_tile(tiled_mma, acc_k_tile, tCrA, tCrB, read_state.index, zero_init=True)
+            warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(read_state)
+            read_state.advance()
+            for r in cutlass.range_constexpr(frag_rows):
+                row_scale[r] = row_scale[r] * block_scale
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                coord = cute.idx2crd(i, acc.shape)
+                acc[i] = acc[i] + acc_k_tile[i] * row_scale[coord[0][1] + 2 * coord[1]]
+        return read_state
+
+    @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, zero_init: cutlass.Constexpr):
         """Issue (not wait for) the wgmma batch of one k-tile of this warpgroup."""
         warpgroup.fence()
@@ -403,16 +493,32 @@ class Sm90Gemm:
         warpgroup.commit_group()
 
     @cute.jit
-    def _scale_add_bias(self, acc, alpha, tCcC, mBias, col_start, num_cols):
-        """acc = alpha * acc (+ bias): one FFMA per value. Columns past N read bias[N-1]:
-        those outputs are never stored."""
-        last_col = num_cols - 1
+    def _scale_add_bias(self, acc, alpha, tCcC, mBias, mScaleA, mScaleB, row_start, col_start, mn_shape,
+                        batch_idx):
+        """acc = alpha * acc (* scale_a[row] * scale_b[col] for rowwise scales) (+ bias). Rows
+        and columns past M and N read the last row's and column's values: those outputs are
+        never stored."""
+        last_row, last_col = mn_shape[0] - 1, mn_shape[1] - 1
+        # per-column values (bias, rowwise scale_b) of this thread's columns, each loaded once: the
+        # fragment's values are ((2 cols, 2 rows, n/8 col groups), m, n), rows in modes 0.1 and 1
+        col_scales, col_bias = {}, {}
         for i in cutlass.range_constexpr(cute.size(acc)):
+            coord = cute.idx2crd(i, acc.shape)
+            col_key = (coord[0][0], coord[0][2], coord[2])
+            scale = alpha
+            if cutlass.const_expr(self.scale_mode == "row"):
+                if cutlass.const_expr(col_key not in col_scales):
+                    col = cutlass.min(col_start + tCcC[i][1], last_col)
+                    col_scales[col_key] = mScaleB[0, col, batch_idx]
+                row = cutlass.min(row_start + tCcC[i][0], last_row)
+                scale = alpha * mScaleA[row, 0, batch_idx] * col_scales[col_key]
             if cutlass.const_expr(self.has_bias):
-                col = cutlass.min(col_start + tCcC[i][1], last_col)
-                acc[i] = acc[i] * alpha + Float32(mBias[col])
+                if cutlass.const_expr(col_key not in col_bias):
+                    col = cutlass.min(col_start + tCcC[i][1], last_col)
+                    col_bias[col_key] = Float32(mBias[col])
+                acc[i] = acc[i] * scale + col_bias[col_key]
             else:
-                acc[i] = acc[i] * alpha
+                acc[i] = acc[i] * scale
 
     @cute.jit
     def _store_direct(self, acc, tCcC, mC_mnl, tile_m_idx, tile_n_idx, batch_idx):
@@ -437,18 +543,28 @@ def _advance_state(state, steps):
 # ---- compile-time variants ---------------------------------------------------------------
 
 def build(spec: KernelSpec):
+    """A 16-bit GEMM variant, or an FP8 one when the spec carries a scale mode (``scale``) and
+    B's dtype (``b``, A's is ``ab``) and the bias dtype (``bias_dtype``)."""
     ab_dtype, out_dtype = _DSL_TYPES[spec["ab"]], _DSL_TYPES[spec["out"]]
     activation = None if spec["act"] == "none" else spec["act"]
+    scale_mode = spec.get("scale")
+    b_dtype = _DSL_TYPES[spec.get("b", spec["ab"])]
+    bias_dtype = _DSL_TYPES[spec.get("bias_dtype", spec["ab"])]
     gemm = Sm90Gemm(ab_dtype, out_dtype, spec["a_major"] == "k", spec["b_major"] == "k", spec["bias"],
-                    activation, GemmConfig.from_spec_params(spec))
+                    activation, GemmConfig.from_spec_params(spec), b_dtype, bias_dtype, scale_mode)
     # torch-order tensors (a (L, M, K), b (L, K, N), out (L, M, N)); the jit function
     # permutes their layouts, so the host passes torch tensors as they are
     rank = spec["rank"]
     mA = fake_operand(ab_dtype, gemm.a_k_major, rank)
-    mB = fake_operand(ab_dtype, not gemm.b_k_major, rank)
+    mB = fake_operand(b_dtype, not gemm.b_k_major, rank)
     mC = fake_operand(out_dtype, True, rank)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    bias = ()
     if gemm.has_bias:
-        mBias = cute.runtime.make_fake_compact_tensor(ab_dtype, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES)
-        return gemm.run_with_bias, (mA, mB, mBias, mC, Float32(1.0), Int32(1), stream)
-    return gemm.run, (mA, mB, mC, Float32(1.0), Int32(1), stream)
+        bias = (cute.runtime.make_fake_compact_tensor(bias_dtype, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES),)
+    if scale_mode is not None:
+        scales = (fake_scales(scale_mode, rank), fake_scales(scale_mode, rank))
+        fn = gemm.run_scaled_with_bias if gemm.has_bias else gemm.run_scaled
+        return fn, (mA, mB, *scales, *bias, mC, Int32(1), stream)
+    fn = gemm.run_with_bias if gemm.has_bias else gemm.run
+    return fn, (mA, mB, *bias, mC, Float32(1.0), Int32(1), stream)

@@ -1,0 +1,129 @@
+"""FP8 GEMM speed on the GPU: ``tco.scaled_mm`` per scale mode vs torch._scaled_mm (cuBLAS) and
+vs this package's bf16 GEMM.
+
+    python bench/bench_fp8.py --out DIR [--quick] [--configs 128x128c2x1,...]
+
+Random bf16 data quantized with ``torch_cute_ops.fp8`` (a (M, K) row-major, b (K, N) K-major:
+``w.t()`` of a row-major (N, K) weight, the layout torch._scaled_mm needs too). Timed with
+triton.testing.do_bench medians through the public APIs, providers interleaved over rounds:
+
+* ``tensor``, ``row``: ``tco.scaled_mm`` with per-tensor / rowwise scales beside
+  ``torch._scaled_mm`` with the same scales, bf16 output;
+* ``block``: ``tco.scaled_mm`` with 1 x 128 / 128 x 128 blockwise scales (cuBLAS has no
+  Hopper blockwise path in torch._scaled_mm);
+* ``bf16``: ``tco.gemm`` on the bf16 operands; ``bare``: the rowwise launch plan called directly.
+
+Shapes: the GEMM bench shapes (bench_gemm.py) and, with ``--deepgemm``, DeepGEMM's dense shapes,
+printed next to the H800 figures DeepGEMM published (not measured here). Writes DIR/fp8.json.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.bench_gemm import ANCHOR_SHAPES, LLM_SHAPES  # noqa: E402
+
+# DeepGEMM README (February 2025), normal dense GEMMs, H800 SXM, blockwise scales, bf16 out:
+# TFLOP/s as published there, not measured here
+DEEPGEMM_H800 = {(128, 2112, 7168): 352, (128, 4096, 7168): 533, (128, 7168, 2048): 510,
+                 (64, 2112, 7168): 206, (4096, 2112, 7168): 1058, (4096, 24576, 1536): 990,
+                 (4096, 32768, 512): 590, (4096, 7168, 16384): 1358, (4096, 4096, 7168): 1304,
+                 (4096, 7168, 2048): 1025}
+
+
+def tflops(m, n, k, ms):
+    return 2 * m * n * k / ms / 1e9
+
+
+def geomean(values):
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--quick", action="store_true", help="anchor shapes only")
+    parser.add_argument("--deepgemm", action="store_true", help="also DeepGEMM's published dense shapes")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_CUTE_OPS_CACHE_DIR", "off")
+
+    import torch_cute_ops as tco
+    from torch_cute_ops import fp8
+    from torch_cute_ops.ops import fallback
+    from torch_cute_ops.runtime.gemm import SM90
+
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_name()
+    results = {"device": dev, "torch": torch.__version__, "rows": []}
+    shapes = ANCHOR_SHAPES if args.quick else list(dict.fromkeys(ANCHOR_SHAPES + LLM_SHAPES))
+    if args.deepgemm:
+        shapes += [s for s in DEEPGEMM_H800 if s not in shapes]
+    cols = ["tco tensor", "torch tensor", "tco row", "torch row", "tco block", "tco bf16", "bare row"]
+    print(f"{dev}\n{'M x N x K':>22} " + " ".join(f"{c:>12}" for c in cols)
+          + f" {'tensor/torch':>12} {'row/torch':>9} {'block/row':>9} {'row/bf16':>8} {'DeepGEMM*':>9}")
+    for m, n, k in shapes:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)  # nn.Linear's (N, K) weight
+        (qa_t, sa_t), (qb_t, sb_t) = fp8.quantize_tensorwise(x), fp8.quantize_tensorwise(w.t(), operand="b")
+        (qa_r, sa_r), (qb_r, sb_r) = fp8.quantize_rowwise(x), fp8.quantize_rowwise(w.t(), operand="b")
+        block = k % 128 == 0
+        if block:
+            (qa_b, sa_b), (qb_b, sb_b) = fp8.quantize_blockwise(x), fp8.quantize_blockwise(w.t(), operand="b")
+        wt = w.t()
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        plan = SM90.plan((m, k), qa_r.stride(), (k, n), qb_r.stride(), qa_r.dtype, None, None, torch.bfloat16, 0,
+                         b_dtype=qb_r.dtype, scale_mode="row")
+        calls = {
+            "tco tensor": lambda: tco.scaled_mm(qa_t, qb_t, sa_t, sb_t),
+            "torch tensor": lambda: torch._scaled_mm(qa_t, qb_t, sa_t, sb_t, out_dtype=torch.bfloat16),
+            "tco row": lambda: tco.scaled_mm(qa_r, qb_r, sa_r, sb_r),
+            "torch row": lambda: torch._scaled_mm(qa_r, qb_r, sa_r, sb_r, out_dtype=torch.bfloat16),
+            "tco block": (lambda: tco.scaled_mm(qa_b, qb_b, sa_b, sb_b)) if block else None,
+            "tco bf16": lambda: tco.gemm(x, wt),
+            "bare row": lambda: plan(qa_r, qb_r, sa_r, sb_r, None, out),
+        }
+        times = {name: [] for name, fn in calls.items() if fn is not None}
+        for fn in calls.values():
+            if fn is not None:
+                fn()  # compile outside the timing
+        for _ in range(args.rounds):
+            for name in times:
+                times[name].append(do_bench(calls[name], warmup=25, rep=100, return_mode="median"))
+        row = {"shape": [m, n, k]}
+        row.update({name: tflops(m, n, k, statistics.median(t)) for name, t in times.items()})
+        row["tensor/torch"] = row["tco tensor"] / row["torch tensor"]
+        row["row/torch"] = row["tco row"] / row["torch row"]
+        row["block/row"] = row["tco block"] / row["tco row"] if block else None
+        row["row/bf16"] = row["tco row"] / row["tco bf16"]
+        row["deepgemm_h800_published"] = DEEPGEMM_H800.get((m, n, k))
+        results["rows"].append(row)
+        fmt = lambda v, w=12: f"{v:>{w}.0f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+        ratio = lambda v, w: f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+        print(f"{m:>6} x {n:>5} x {k:>5} " + " ".join(fmt(row.get(c)) for c in cols)
+              + f" {ratio(row['tensor/torch'], 12)} {ratio(row['row/torch'], 9)} {ratio(row['block/row'], 9)}"
+              + f" {ratio(row['row/bf16'], 8)} {fmt(row['deepgemm_h800_published'], 9)}")
+    bench_rows = [r for r in results["rows"] if tuple(r["shape"]) in set(ANCHOR_SHAPES + LLM_SHAPES)]
+    for key in ("tensor/torch", "row/torch"):
+        values = [r[key] for r in bench_rows]
+        results[f"geomean {key}"], results[f"min {key}"] = geomean(values), min(values)
+    results["fallbacks"] = {f"{op}: {reason}": n for (op, reason), n in fallback.counts().items()}
+    print(f"\nGEMM bench shapes: tensor/torch geomean {results['geomean tensor/torch']:.3f} "
+          f"(min {results['min tensor/torch']:.3f}); row/torch geomean {results['geomean row/torch']:.3f} "
+          f"(min {results['min row/torch']:.3f}); fallbacks {results['fallbacks'] or 'none'}")
+    print("* DeepGEMM: TFLOP/s published for an H800 (blockwise scales), not measured here")
+    (out_dir / "fp8.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
