@@ -53,6 +53,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="anchor shapes only")
     parser.add_argument("--deepgemm", action="store_true", help="also DeepGEMM's published dense shapes")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--configs", default="", help="extra tile configs to time bare (rowwise and blockwise "
+                        "plans), e.g. '128x128c2x2,pp128x128c2x1' (pp = ping-pong)")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -62,6 +64,10 @@ def main():
     from torch_cute_ops import fp8
     from torch_cute_ops.ops import fallback
     from torch_cute_ops.runtime.gemm import SM90
+
+    from bench.bench_gemm import parse_config
+
+    extra = {name: parse_config(name) for name in args.configs.split(",") if name}
 
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
@@ -93,6 +99,15 @@ def main():
             "tco bf16": lambda: tco.gemm(x, wt),
             "bare row": lambda: plan(qa_r, qb_r, sa_r, sb_r, None, out),
         }
+        for name, config in extra.items():
+            operands = {"row": (qa_r, qb_r, sa_r, sb_r)}
+            if block:
+                operands["block"] = (qa_b, qb_b, sa_b, sb_b)
+            for mode, (qa, qb, sa, sb) in operands.items():
+                extra_plan = SM90.plan((m, k), qa.stride(), (k, n), qb.stride(), qa.dtype, None, None, torch.bfloat16,
+                                       0, config, b_dtype=qb.dtype, scale_mode=mode)
+                if not isinstance(extra_plan, str):
+                    calls[f"{mode} {name}"] = (lambda p=extra_plan, t=(qa, qb, sa, sb): p(*t, None, out))
         times = {name: [] for name, fn in calls.items() if fn is not None}
         for fn in calls.values():
             if fn is not None:
@@ -112,7 +127,8 @@ def main():
         ratio = lambda v, w: f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
         print(f"{m:>6} x {n:>5} x {k:>5} " + " ".join(fmt(row.get(c)) for c in cols)
               + f" {ratio(row['tensor/torch'], 12)} {ratio(row['row/torch'], 9)} {ratio(row['block/row'], 9)}"
-              + f" {ratio(row['row/bf16'], 8)} {fmt(row['deepgemm_h800_published'], 9)}")
+              + f" {ratio(row['row/bf16'], 8)} {fmt(row['deepgemm_h800_published'], 9)}  "
+              + " ".join(f"{name} {row[name]:.0f}" for name in times if name not in cols))
     bench_rows = [r for r in results["rows"] if tuple(r["shape"]) in set(ANCHOR_SHAPES + LLM_SHAPES)]
     for key in ("tensor/torch", "row/torch"):
         values = [r[key] for r in bench_rows]

@@ -100,6 +100,13 @@ def test_each_scale_mode_matches_float64(mode, shape):
     check(run_kernel(a, b, sa, sb, mode, out_dtype=torch.float32), reference(a, b, sa, sb, mode))
 
 
+@pytest.mark.parametrize("k", [256, 384, 640])
+def test_blockwise_small_k_tile_counts(k):
+    """Blockwise scales over 2, 3 and 5 k-tiles (1, 4, 6, 8 and more are in the other tests)."""
+    a, b, sa, sb = operands("block", 300, 200, k)
+    check(run_kernel(a, b, sa, sb, "block", out_dtype=torch.float32), reference(a, b, sa, sb, "block"))
+
+
 @pytest.mark.parametrize("mode", ["tensor", "row"])
 def test_k_not_a_multiple_of_the_k_tile(mode):
     a, b, sa, sb = operands(mode, 300, 200, 1040)
