@@ -137,6 +137,12 @@ def _kernels_here(device: torch.device) -> list[tuple[str, str]]:
     for op in ("gemm", "flash_attn_fwd", "flash_attn_bwd"):
         host = dispatch.kernel_for(op, device)
         rows.append((op, host if isinstance(host, str) else f"kernel ({getattr(host, 'arch', 'sm_90a')})"))
+    gemm_host = dispatch.kernel_for("gemm", device)  # FP8 rides on the GEMM kernel of sm_90a only
+    if isinstance(gemm_host, str):
+        rows.append(("scaled_gemm", gemm_host))
+    else:
+        rows.append(("scaled_gemm", "kernel (sm_90a)" if gemm_host.arch == "sm_90a"
+                     else f"no FP8 variant for {gemm_host.arch}: the reference path"))
     return rows
 
 
@@ -171,6 +177,8 @@ def self_check(device: torch.device) -> list[tuple[str, float, float]]:
     out = functional.gemm(a_cm, b_cm)
     rows.append(("gemm column-major a, b (344x520x264)", _rel_err(out, a_cm.double() @ b_cm.double()), bound))
 
+    rows += _fp8_self_check(device, gen)
+
     q, k, v = randn(2, 300, 8, 128), randn(2, 257, 2, 128), randn(2, 257, 2, 128)
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
     for causal in (False, True):
@@ -198,6 +206,25 @@ def self_check(device: torch.device) -> list[tuple[str, float, float]]:
     return rows
 
 
+def _fp8_self_check(device: torch.device, gen: torch.Generator) -> list[tuple[str, float, float]]:
+    """scaled_mm in each scale mode (fp32 out) against float64 of the dequantized operands."""
+    from . import fp8, functional
+    from .reference.scaled_gemm import dequantize
+
+    # fp32 out: what is left is the FP8 tensor cores' accumulation (kernel) or fp32 rounding (CPU)
+    bound = 2e-3 if device.type == "cuda" else 1e-5
+    x = torch.randn(333, 512, device=device, generator=gen)
+    w = torch.randn(264, 512, device=device, generator=gen)  # an nn.Linear (N, K) weight
+    rows = []
+    for mode, quantize in (("tensor", fp8.quantize_tensorwise), ("row", fp8.quantize_rowwise),
+                           ("block", fp8.quantize_blockwise)):
+        (qa, sa), (qb, sb) = quantize(x), quantize(w.t(), operand="b")
+        out = functional.scaled_mm(qa, qb, sa, sb, out_dtype=torch.float32)
+        ref = dequantize(qa, sa, mode, "a").double() @ dequantize(qb, sb, mode, "b").double()
+        rows.append((f"scaled_mm e4m3 {mode} scales (333x264x512)", _rel_err(out, ref), bound))
+    return rows
+
+
 def _timing_table(device: torch.device) -> list[tuple[str, float, float]]:
     """(case, ms of torch_cute_ops, ms of PyTorch) on a few representative sizes."""
     import torch.nn.functional as F
@@ -218,6 +245,12 @@ def _timing_table(device: torch.device) -> list[tuple[str, float, float]]:
     rows = [("gemm 4096^3 bf16", bench(lambda: functional.gemm(a, b)), bench(lambda: a @ b)),
             ("gemm+bias+gelu 4096^3", bench(lambda: functional.gemm(a, b, bias, "gelu_tanh")),
              bench(lambda: F.gelu(torch.addmm(bias, a, b), approximate="tanh")))]
+    if _fp8_kernel_here(device):
+        from . import fp8
+
+        (qa, sa), (qb, sb) = fp8.quantize_rowwise(a), fp8.quantize_rowwise(b.t().contiguous().t(), operand="b")
+        rows.append(("scaled_mm 4096^3 e4m3 rowwise", bench(lambda: functional.scaled_mm(qa, qb, sa, sb)),
+                     bench(lambda: torch._scaled_mm(qa, qb, sa, sb, out_dtype=dt))))
     q = torch.randn(4, 16, 4096, 128, device=device, dtype=dt)
     k, v = torch.randn_like(q), torch.randn_like(q)
     for causal in (False, True):
@@ -225,6 +258,13 @@ def _timing_table(device: torch.device) -> list[tuple[str, float, float]]:
                      bench(lambda: functional_sdpa(q, k, v, causal)),
                      bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))))
     return rows
+
+
+def _fp8_kernel_here(device: torch.device) -> bool:
+    from .ops import dispatch
+
+    host = dispatch.kernel_for("gemm", device)
+    return not isinstance(host, str) and host.arch == "sm_90a"
 
 
 def functional_sdpa(q, k, v, causal):

@@ -294,8 +294,10 @@ def sm_count(device_index: int) -> int:
 
 def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
     """bf16 row-major A and B at the two big tiles, the fused bias + gelu_tanh MLP epilogue,
-    nn.Linear's layout, the fp16 twin; 2-D operands (the eager common case), one batched."""
+    nn.Linear's layout, the fp16 twin; 2-D operands (the eager common case), one batched; FP8
+    e4m3 -> bf16 with rowwise and with blockwise scales."""
     big, medium = GemmConfig(128, 256, 2, 1), GemmConfig(128, 128, 2, 1)
+    e4m3 = torch.float8_e4m3fn
     return [
         host.spec("bf16", "bf16", True, False, False, None, big, rank)
         for rank in (2, 3)
@@ -304,6 +306,8 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
         host.spec("bf16", "bf16", True, False, True, "gelu_tanh", big, 2),
         host.spec("bf16", "bf16", True, True, True, None, big, 2),  # x @ W.T + b, nn.Linear's weight
         host.spec("fp16", "fp16", True, False, False, None, big, 2),
+        scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "row", None, big, 2),
+        scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "block", None, medium, 2),
     ]
 
 
