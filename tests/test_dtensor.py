@@ -142,6 +142,36 @@ def _worker(rank: int, world: int, store: str) -> None:
                lambda: tco.flash_attn_varlen_func(*sharded, dcu, dcu, 9, 9, causal=True, return_lse=True),
                lambda: tco.flash_attn_varlen_func(*full, cu, cu, 9, 9, causal=True, return_lse=True),
                [Shard(1), Shard(0)], tuple(sharded), tuple(full))
+
+        # kv cache (a decode step): heads-sharded caches (tensor parallel), then batch-sharded
+        # ones, appended in place on each rank's shard without a collective
+        kq = torch.randn(2, 3, 4, 8, dtype=torch.float64)
+        caches = [torch.randn(2, 16, 2, 8, dtype=torch.float64) for _ in range(2)]
+        new_kv = [torch.randn(2, 3, 2, 8, dtype=torch.float64) for _ in range(2)]
+        seqlens = torch.tensor([5, 11], dtype=torch.int32)
+
+        def decode(q, k_cache, v_cache, k, v, cache_seqlens):
+            return torch.ops.cute.flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, None, None,
+                                                     8 ** -0.5, True)
+
+        for name, dim, lse_dim in (("heads", 2, 1), ("batch", 0, 0)):
+            full_caches = [c.clone() for c in caches]
+            sharded_caches = [dt(c, Shard(dim)) for c in caches]
+            sharded = [dt(kq, Shard(dim)), *sharded_caches, *(dt(t, Shard(dim)) for t in new_kv),
+                       dt(seqlens, Shard(0) if dim == 0 else Replicate())]
+            _check(f"kvcache {name}", lambda: decode(*sharded), lambda: decode(kq, *full_caches, *new_kv, seqlens),
+                   [Shard(dim), Shard(lse_dim)])
+            for sharded_cache, full_cache in zip(sharded_caches, full_caches):
+                assert not torch.equal(full_cache, caches[0]) and not torch.equal(full_cache, caches[1])
+                torch.testing.assert_close(sharded_cache.full_tensor(), full_cache,
+                                           msg=lambda m: f"kvcache {name} (cache after the append): {m}")
+        # a cache placed another way is refused, not moved (the append would land in a copy)
+        misplaced = [dt(c, Shard(1)) for c in caches]
+        before = [c.to_local().clone() for c in misplaced]
+        with pytest.raises(Exception, match=r"k_cache, v_cache: flash_attn_kvcache appends into its caches in place"):
+            decode(dt(kq, Replicate()), *misplaced, *(dt(t, Replicate()) for t in new_kv), dt(seqlens, Replicate()))
+        for cache, local in zip(misplaced, before):
+            assert torch.equal(cache.to_local(), local)
     except BaseException:
         dist.destroy_process_group()
         raise

@@ -21,7 +21,11 @@ collective:
   by batch);
 * everything replicated.
 
-``flash_attn_kvcache`` mutates its cache and has no rule (DTensor inputs are not supported).
+* ``flash_attn_kvcache``: the heads (q, the caches, new k/v; cache_seqlens, cache_batch_idx and
+  page_table replicated), or the batch (contiguous caches without cache_batch_idx). The op
+  appends into its caches in place, so a rule is offered only for the placement the caches
+  already have: a cache is never redistributed (that would append into a temporary copy), and
+  caches placed otherwise are a ValueError rather than a lost append.
 """
 
 from __future__ import annotations
@@ -150,3 +154,30 @@ def _flash_attn_varlen_bwd_sharding(*args):
     chosen = {i: Shard(1) for i in range(5)}
     chosen[5] = Shard(0)
     return [_all_replicated(args, 3), ([Shard(1)] * 3, _placements(args, chosen))]
+
+
+# ----------------------------------------------------------------------------------- kv cache
+# flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, scale,
+# causal, window_left, window_right, softcap) -> (out, lse); q / k / v (B, S, H, D), caches
+# (B_cache, S_cache, H_kv, D) or paged (pages, page_size, H_kv, D); out (B, S_q, H, D), lse (B, H, S_q)
+
+@register_sharding(cute.flash_attn_kvcache.default)
+def _flash_attn_kvcache_sharding(*args):
+    k_cache, v_cache = args[1], args[2]
+    placement = tuple(k_cache.placements)
+    strategies = []
+    if all(p == Replicate() for p in placement):
+        strategies.append(_all_replicated(args, 2))
+    if all(p == Shard(2) for p in placement):
+        heads = {0: Shard(2), 1: Shard(2), 2: Shard(2), 3: Shard(2), 4: Shard(2)}
+        strategies.append(([Shard(2), Shard(1)], _placements(args, heads)))
+    indexed = any(_is_tensor(args[i]) for i in (6, 7) if i < len(args))  # cache_batch_idx, page_table
+    if all(p == Shard(0) for p in placement) and not indexed:
+        batch = {0: Shard(0), 1: Shard(0), 2: Shard(0), 3: Shard(0), 4: Shard(0), 5: Shard(0)}
+        strategies.append(([Shard(0), Shard(0)], _placements(args, batch)))
+    if not strategies or tuple(v_cache.placements) != placement:
+        raise ValueError(
+            "k_cache, v_cache: flash_attn_kvcache appends into its caches in place, so they must already be "
+            "placed as it runs: both Replicate, both Shard(2) (heads), or both Shard(0) (batch, contiguous caches "
+            f"without cache_batch_idx / page_table); got {k_cache.placements} and {v_cache.placements}")
+    return strategies
