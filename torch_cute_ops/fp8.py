@@ -29,10 +29,13 @@ def _check_input(x: torch.Tensor, rank: tuple[int, ...]) -> None:
 
 
 def _k_major(stored: torch.Tensor, operand: str) -> torch.Tensor:
-    """b (.., K, N) in the column-major layout scaled_mm needs (a copy only if it is not)."""
-    if operand == "a" or stored.dim() < 2 or stored.stride(-2) == 1:
+    """a (.., M, K) row-major, b (.., K, N) column-major: the K-major layouts scaled_mm needs (a
+    copy only if the stored values, which follow the input's strides, are not)."""
+    if stored.dim() < 2:
         return stored
-    return stored.mT.contiguous().mT
+    if operand == "a":
+        return stored if stored.stride(-1) == 1 else stored.contiguous()
+    return stored if stored.stride(-2) == 1 else stored.mT.contiguous().mT
 
 
 def _quantize(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, expand,
@@ -47,15 +50,15 @@ def _quantize(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, expand,
 
 
 def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, operand: str = "a"):
-    """One scale for the whole tensor: (stored, scale of shape ()). ``operand="b"`` returns a
-    (.., K, N) b column-major (K-major), as scaled_mm takes it."""
+    """One scale for the whole tensor: (stored, scale of shape ()), laid out K-major for
+    ``operand`` ("a": row-major, "b": column-major), as scaled_mm takes it."""
     _check_input(x, (1, 2, 3))
     return _quantize(x, x.abs().amax(), dtype, lambda s: s, operand)
 
 
 def quantize_rowwise(x: torch.Tensor, operand: str = "a", dtype: torch.dtype = torch.float8_e4m3fn):
     """Per row of a ((.., M, K) -> scale (.., M, 1)) or per column of b ((.., K, N) -> (.., 1, N)):
-    the scales that scaled_mm's "row" mode takes. b comes back column-major (K-major)."""
+    the scales that scaled_mm's "row" mode takes, laid out K-major (a row-major, b column-major)."""
     _check_input(x, (2, 3))
     if operand not in ("a", "b"):
         raise ValueError(f"operand: expected 'a' or 'b', got {operand!r}")
@@ -66,7 +69,7 @@ def quantize_rowwise(x: torch.Tensor, operand: str = "a", dtype: torch.dtype = t
 def quantize_blockwise(x: torch.Tensor, operand: str = "a", dtype: torch.dtype = torch.float8_e4m3fn):
     """DeepSeek-V3's blocks: a (.., M, K) per 1 x 128 block -> scale (.., M, K / 128); b (.., K, N)
     per 128 x 128 block -> (.., K / 128, N / 128). K must be a multiple of 128; M and N may end
-    in a partial block. b comes back column-major (K-major)."""
+    in a partial block. Laid out K-major (a row-major, b column-major)."""
     _check_input(x, (2, 3))
     if operand not in ("a", "b"):
         raise ValueError(f"operand: expected 'a' or 'b', got {operand!r}")
@@ -85,3 +88,67 @@ def quantize_blockwise(x: torch.Tensor, operand: str = "a", dtype: torch.dtype =
     amax = groups.abs().amax(dim=(-3, -1))
     return _quantize(x, amax, dtype,
                      lambda s: s.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)[..., :n], "b")
+
+
+# ------------------------------------------------------------------------------ FP8 training
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x @ w.T + bias with all three GEMMs of a linear layer in FP8 (dynamic rowwise or
+    per-tensor scaling, the recipe of torchao's float8 training): x and w in e4m3 for the forward,
+    the output gradient in e5m2 (its range) for dx = dy @ w and dw = dy.T @ x. Each operand is
+    quantized along the dim its GEMM contracts, so every scale is a per-row / per-column one."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scaling):
+        from .functional import scaled_mm
+
+        quantize = quantize_rowwise if scaling == "row" else _tensorwise
+        (qx, sx), (qw, sw) = quantize(x, "a", E4M3), quantize(weight.t(), "b", E4M3)
+        ctx.save_for_backward(x, weight)
+        ctx.scaling, ctx.bias_dtype = scaling, None if bias is None else bias.dtype
+        return scaled_mm(qx, qw, sx, sw, bias, out_dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from .functional import scaled_mm
+
+        x, weight = ctx.saved_tensors
+        quantize = quantize_rowwise if ctx.scaling == "row" else _tensorwise
+        grad_x = grad_w = grad_bias = None
+        if ctx.needs_input_grad[0]:  # dx (M, K) = dy (M, N) @ w (N, K): contracts N
+            (qg, sg), (qw, sw) = quantize(grad, "a", E5M2), quantize(weight, "b", E4M3)
+            grad_x = scaled_mm(qg, qw, sg, sw, out_dtype=x.dtype)
+        if ctx.needs_input_grad[1]:  # dw (N, K) = dy.T (N, M) @ x (M, K): contracts M
+            (qg, sg), (qx, sx) = quantize(grad.t(), "a", E5M2), quantize(x, "b", E4M3)
+            grad_w = scaled_mm(qg, qx, sg, sx, out_dtype=weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_bias, None
+
+
+def _tensorwise(x: torch.Tensor, operand: str, dtype: torch.dtype):
+    return quantize_tensorwise(x, dtype, operand)
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scaling: str = "row") -> torch.Tensor:
+    """``input @ weight.T + bias`` (``torch.nn.functional.linear``'s contract), differentiable, with
+    its forward and both backward GEMMs in FP8 through :func:`torch_cute_ops.scaled_mm`: input and
+    weight quantized to e4m3, the output gradient to e5m2, each along the dim its GEMM contracts,
+    ``scaling`` "row" (a scale per row / column, the default) or "tensor" (one per operand), from
+    the current values at every call (dynamic scaling). Results and gradients come back in the
+    input's / weight's dtype. The quantizations and the transposed copies the backward's K-major
+    operands need are plain tensor ops (they trace under torch.compile)."""
+    if scaling not in ("row", "tensor"):
+        raise ValueError(f"scaling: expected 'row' or 'tensor', got {scaling!r}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected a 2-d tensor (out_features, in_features), got shape {tuple(weight.shape)}")
+    if input.dim() == 0 or input.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input: expected last dim {weight.shape[1]} (in_features of weight), "
+                         f"got shape {tuple(input.shape)}")
+    lead = input.shape[:-1]
+    out = _Fp8Linear.apply(input.reshape(-1, input.shape[-1]), weight, bias, scaling)
+    return out.view(*lead, weight.shape[0])

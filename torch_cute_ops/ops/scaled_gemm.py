@@ -8,9 +8,10 @@ row-major, b (K, N) column-major (``w.t()`` of a row-major (N, K) weight; the qu
 On Hopper the persistent sm90 GEMM kernel runs it (``kernels/sm90/gemm.py``: scales in the
 epilogue, or per 128-wide k-tile for blockwise ones); layouts it cannot take (K not a multiple
 of 16, misaligned pointers) and other GPUs take the reference path, counted and logged once as a
-fallback (``TORCH_CUTE_OPS_STRICT=1`` raises instead). Not differentiable: FP8 training recipes
-quantize inside their own autograd function and call the op for each of their GEMMs (the
-backward's dA = dC B^T and dB = A^T dC are scaled matmuls of the transposed operands).
+fallback (``TORCH_CUTE_OPS_STRICT=1`` raises instead). Not differentiable itself (its inputs are
+already quantized): FP8 training quantizes inside an autograd function and calls the op for each
+GEMM, the backward's dA = dC B^T and dB = A^T dC being scaled matmuls of the transposed operands;
+``torch_cute_ops.fp8.linear`` is that function for a linear layer.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad):
     raise RuntimeError("scaled_mm is not differentiable: quantize inside your own autograd function and call "
                        "scaled_mm for the backward's GEMMs (dA = dC B^T, dB = A^T dC) with the scales of the "
-                       "transposed operands")
+                       "transposed operands, as torch_cute_ops.fp8.linear does for a linear layer")
 
 
 torch.library.register_autograd(qualname("scaled_gemm"), _backward, setup_context=_setup_context, lib=lib)
