@@ -182,64 +182,15 @@ def test_sharding_rules_keep_inputs_in_place_and_match_the_unsharded_ops():
     _spawn(_worker)
 
 
-class _Linear(torch.nn.Linear):
-    """nn.Linear whose forward is tco.linear (tensor-parallel styles accept nn.Linear subclasses)."""
-
-    def forward(self, x):
-        import torch_cute_ops as tco
-
-        return tco.linear(x, self.weight, self.bias)
-
-
-class _Decoder(torch.nn.Module):
-    """The README's recipe model: pre-norm blocks, GQA attention through tco's SDPA, an MLP; every
-    projection a tco.linear without bias."""
-
-    def __init__(self, vocab=64, dim=32, heads=4, kv_heads=2, layers=2):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
-        self.embed = torch.nn.Embedding(vocab, dim)
-        self.layers = torch.nn.ModuleList(torch.nn.ModuleDict(dict(
-            norm1=torch.nn.RMSNorm(dim), q=_Linear(dim, dim, bias=False),
-            k=_Linear(dim, kv_heads * self.head_dim, bias=False), v=_Linear(dim, kv_heads * self.head_dim, bias=False),
-            o=_Linear(dim, dim, bias=False), norm2=torch.nn.RMSNorm(dim),
-            up=_Linear(dim, 2 * dim, bias=False), down=_Linear(2 * dim, dim, bias=False),
-        )) for _ in range(layers))
-        self.head = torch.nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, ids):
-        import torch_cute_ops as tco
-
-        x = self.embed(ids)
-        b, s, _ = x.shape
-        for layer in self.layers:
-            h = layer["norm1"](x)
-            # -1 heads: under tensor parallelism each rank holds its share of the heads
-            q = layer["q"](h).view(b, s, -1, self.head_dim).transpose(1, 2)
-            k = layer["k"](h).view(b, s, -1, self.head_dim).transpose(1, 2)
-            v = layer["v"](h).view(b, s, -1, self.head_dim).transpose(1, 2)
-            att = tco.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + layer["o"](att.transpose(1, 2).reshape(b, s, -1))
-            x = x + layer["down"](torch.nn.functional.gelu(layer["up"](layer["norm2"](x))))
-        return self.head(x)
-
-
 def _twin_decoders():
     """An unsharded reference decoder and a copy to shard, float64, the same weights on every rank."""
+    from torch_cute_ops.testing import RecipeDecoder
+
     torch.manual_seed(0)
-    reference = _Decoder().double()
-    model = _Decoder().double()
+    reference = RecipeDecoder().double()
+    model = RecipeDecoder().double()
     model.load_state_dict(reference.state_dict())
     return reference, model
-
-
-def tensor_parallel_plan():
-    """Column-parallel q/k/v and MLP-in, row-parallel out and MLP-out: attention runs on each rank's
-    heads (whole GQA groups when both head counts divide by the TP size)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {f"layers.{i}.{name}": (ColwiseParallel() if name in ("q", "k", "v", "up") else RowwiseParallel())
-            for i in range(2) for name in ("q", "k", "v", "o", "up", "down")}
 
 
 def _tp_worker(rank: int, world: int, store: str) -> None:
@@ -252,7 +203,9 @@ def _tp_worker(rank: int, world: int, store: str) -> None:
         import torch_cute_ops.distributed  # noqa: F401
 
         reference, model = _twin_decoders()
-        parallelize_module(model, init_device_mesh("cpu", (world,)), tensor_parallel_plan())
+        from torch_cute_ops.testing import tensor_parallel_plan
+
+        parallelize_module(model, init_device_mesh("cpu", (world,)), tensor_parallel_plan(2))
         ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
         tco.ops.fallback.reset()
         for step_model in (reference, model):
