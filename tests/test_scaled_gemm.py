@@ -82,6 +82,8 @@ def test_operands_must_be_k_major_on_every_device():
     # size-1 dims carry no majorness: a single row of a, a single column of b are accepted
     out = tco.scaled_mm(a[:1], b[:, :1].contiguous(), sa[:1], sb[:, :1], out_dtype=torch.float32)
     assert out.shape == (1, 1)
+    k1 = tco.scaled_mm(a[:, :1].contiguous(), b[:1].contiguous(), sa, sb, out_dtype=torch.float32)  # K = 1
+    torch.testing.assert_close(k1.double(), _expected(a[:, :1], b[:1], sa, sb, "row"), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("quantize,mode,kwargs", [
