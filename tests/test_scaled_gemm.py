@@ -241,3 +241,27 @@ def test_quantized_a_comes_back_row_major():
     """A transposed input (the backward's dy.T) is stored row-major for operand a."""
     stored, scale = fp8.quantize_rowwise(torch.randn(64, 32).t())
     assert stored.stride() == (64, 1) and scale.shape == (32, 1)
+
+
+def test_convert_linears_swaps_in_place_and_keeps_the_parameters():
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64),
+                                torch.nn.Linear(64, 10))
+    reference = torch.nn.Sequential(*(m for m in model))  # the same modules, before the swap
+    x = torch.randn(8, 64)
+    expected = model(x).detach()
+    weights = [m.weight for m in model if isinstance(m, torch.nn.Linear)]
+    fp8.convert_linears(model, module_filter=lambda name, m: m.out_features != 10)  # keep the head
+    assert [type(m).__name__ for m in model] == ["Fp8Linear", "GELU", "Fp8Linear", "Linear"]
+    assert [m.weight for m in model if isinstance(m, torch.nn.Linear)] == weights  # shared, not copied
+    assert "scaling=row" in repr(model[0]) and reference is not model
+    log = _OpLog()
+    with log:
+        out = model(x)
+        out.square().sum().backward()
+    # 2 layers x (forward + dx + dw), less the first layer's dx: x does not require grad
+    assert log.ops.count("cute.scaled_gemm") == 5
+    assert ((out.detach() - expected).norm() / expected.norm()).item() < 0.05
+    assert all(w.grad is not None and w.grad.isfinite().all() for w in weights)
+    with pytest.raises(ValueError, match="scaling"):
+        fp8.convert_linears(model, scaling="block")

@@ -152,3 +152,38 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     lead = input.shape[:-1]
     out = _Fp8Linear.apply(input.reshape(-1, input.shape[-1]), weight, bias, scaling)
     return out.view(*lead, weight.shape[0])
+
+
+class Fp8Linear(torch.nn.Linear):
+    """``nn.Linear`` that trains and runs through :func:`linear` (FP8 GEMMs, dynamic scaling); its
+    parameters stay in their own dtype (the master weights)."""
+
+    scaling: str = "row"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.scaling)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scaling={self.scaling}"
+
+
+def convert_linears(model: torch.nn.Module, scaling: str = "row", module_filter=None) -> torch.nn.Module:
+    """Swap, in place, every ``nn.Linear`` of ``model`` (exactly that class, so subclasses with
+    their own forward are left alone) for an :class:`Fp8Linear` sharing its parameters, where
+    ``module_filter(name, module)`` allows it (default: every one). Returns ``model``.
+
+    The FP8 kernel needs in_features and out_features multiples of 16 (16-byte rows of FP8
+    operands); layers that are not keep running, on the reference path (counted as fallbacks), so
+    such layers, and usually the output head, are better left out with ``module_filter``."""
+    if scaling not in ("row", "tensor"):
+        raise ValueError(f"scaling: expected 'row' or 'tensor', got {scaling!r}")
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full_name = f"{name}.{child_name}" if name else child_name
+            if type(child) is not torch.nn.Linear or (module_filter and not module_filter(full_name, child)):
+                continue
+            swapped = Fp8Linear.__new__(Fp8Linear)
+            swapped.__dict__.update(child.__dict__)  # the same parameters, hooks and flags
+            swapped.scaling = scaling
+            setattr(module, child_name, swapped)
+    return model
