@@ -102,6 +102,35 @@ def test_fp8_spec_needs_k_major_and_scales():
     assert block_scaled_config(GemmConfig(128, 128, pingpong=True)) == GemmConfig(128, 128)
 
 
+@pytest.mark.parametrize("mode,shape,expect_tile", [
+    ("tensor", (4096, 4096, 4096), (128, 256)), ("row", (4096, 4096, 4096), (128, 256)),
+    ("block", (4096, 4096, 4096), (128, 128)), ("block", (48, 4096, 1024), (64, 64)),
+])
+def test_fp8_launch_plan(monkeypatch, mode, shape, expect_tile):
+    """The host plan of an FP8 call (no GPU: the SM count and the compiled function stubbed): the
+    variant carries the scale mode, B's and the bias' dtypes; blockwise tiles are narrowed to 128
+    columns; per-tensor scales travel as 1-vectors."""
+    from torch_cute_ops.runtime import gemm as runtime_gemm
+
+    monkeypatch.setattr(runtime_gemm, "sm_count", lambda index: 132)
+    calls = []
+    monkeypatch.setattr(runtime_gemm, "get_compiled", lambda spec: lambda *args: calls.append(args))
+    m, n, k = shape
+    plan = sm90_gemm.plan((m, k), (k, 1), (k, n), (1, k), torch.float8_e4m3fn, ((n,), (1,)), "relu",
+                          torch.bfloat16, 0, b_dtype=torch.float8_e5m2, bias_dtype=torch.float32, scale_mode=mode)
+    assert isinstance(plan, runtime_gemm.ScaledGemmLaunch), plan
+    spec = plan.spec
+    assert (spec["scale"], spec["ab"], spec["b"], spec["bias_dtype"], spec["act"]) == (mode, "e4m3", "e5m2",
+                                                                                    "fp32", "relu")
+    assert spec["tile"] == expect_tile and spec["a_major"] == spec["b_major"] == "k"
+    a, b = torch.empty(m, k), torch.empty(n, k).t()
+    scale = torch.ones(()) if mode == "tensor" else torch.ones(m, 1)
+    plan(a, b, scale, scale, torch.empty(n), torch.empty(m, n))
+    passed_scale = calls[0][2]
+    assert passed_scale.shape == ((1,) if mode == "tensor" else (m, 1))
+    assert calls[0][-1] == 132 // (spec["cluster"][0] * spec["cluster"][1])  # persistent clusters
+
+
 def _operand(batch, rows, cols, cols_major):
     t = torch.empty(batch, rows, cols) if cols_major else torch.empty(batch, cols, rows).transpose(1, 2)
     return t.to(torch.bfloat16)
