@@ -32,8 +32,10 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
               activation: str | None = None) -> torch.Tensor:
     """FP8 matmul ``activation(dequant(a) @ dequant(b) + bias)``: a (M, K) / (L, M, K) and b (K, N) /
     (L, K, N) in float8_e4m3fn or float8_e5m2, fp32 scales per tensor (one element each), per row
-    of a and column of b ((M, 1), (1, N)) or per block (a: (M, K / 128), b: (K / 128, N / 128));
-    see :mod:`torch_cute_ops.fp8` for the quantizers. Not differentiable."""
+    of a and column of b ((M, 1), (1, N)) or per block (a: (M, K / 128), b: (K / 128, N / 128)).
+    Both operands K-major: a row-major, b column-major (``w.t()`` of a row-major (N, K) weight).
+    See :mod:`torch_cute_ops.fp8` for the quantizers and the differentiable ``fp8.linear``; this
+    function itself is not differentiable."""
     if dispatcher_free(a, b, scale_a, scale_b, bias):
         return _scaled_gemm.scaled_gemm_impl(a, b, scale_a, scale_b, bias, out_dtype, activation)
     return torch.ops.cute.scaled_gemm(a, b, scale_a, scale_b, bias, out_dtype, activation)
