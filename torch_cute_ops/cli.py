@@ -137,12 +137,9 @@ def _kernels_here(device: torch.device) -> list[tuple[str, str]]:
     for op in ("gemm", "flash_attn_fwd", "flash_attn_bwd"):
         host = dispatch.kernel_for(op, device)
         rows.append((op, host if isinstance(host, str) else f"kernel ({getattr(host, 'arch', 'sm_90a')})"))
-    gemm_host = dispatch.kernel_for("gemm", device)  # FP8 rides on the GEMM kernel of sm_90a only
-    if isinstance(gemm_host, str):
-        rows.append(("scaled_gemm", gemm_host))
-    else:
-        rows.append(("scaled_gemm", "kernel (sm_90a)" if gemm_host.arch == "sm_90a"
-                     else f"no FP8 variant for {gemm_host.arch}: the reference path"))
+    gemm_row = rows[0][1]  # FP8 rides on the GEMM kernel of sm_90a only
+    rows.append(("scaled_gemm", "kernel (sm_90a)" if _fp8_kernel_here(device) else
+                 gemm_row if not gemm_row.startswith("kernel") else "no FP8 variant here: the reference path"))
     return rows
 
 
