@@ -128,6 +128,27 @@ def test_large_inputs_stay_finite(head_dim):
             check(q, k, v, causal)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_row_max_growing_across_key_blocks(head_dim):
+    """The online softmax keeps a row's max until it grows past a threshold and only then
+    rescales O. Key block n (blocks run last first) adds OFFSETS[n] x c_row to the scores
+    (log2 units, c_row in [0.5, 1.5] per row): steps below the threshold that add up past
+    it, single jumps past it, and warps whose rows disagree."""
+    torch.manual_seed(head_dim)
+    offsets = [60.0, 32.0, 31.0, 30.0, 9.0, 6.0, 3.0, 0.0]  # key block 0 .. 7, in log2 units
+    seqlen_k = 128 * (len(offsets) - 1) + 100
+    scale = 1.0 / math.sqrt(head_dim)
+    for dtype in DTYPES:
+        q = random_bshd(2, 1000, 4, head_dim, dtype, scale=0.5)
+        k = random_bshd(2, seqlen_k, 4, head_dim, dtype, scale=0.5)
+        v = random_bshd(2, seqlen_k, 4, head_dim, dtype)
+        q[..., 0] = (torch.rand(2, 1000, 4, device="cuda") + 0.5).to(dtype)
+        steps = torch.tensor(offsets, device="cuda") / (scale * math.log2(math.e))
+        k[..., 0] = steps.repeat_interleave(128)[:seqlen_k, None].expand(2, seqlen_k, 4).to(dtype)
+        for causal in (False, True):
+            check(q, k, v, causal, softmax_scale=scale)
+
+
 def test_softmax_scale_is_used():
     q = random_bshd(1, 200, 2, 128, torch.bfloat16)
     k = random_bshd(1, 300, 2, 128, torch.bfloat16)

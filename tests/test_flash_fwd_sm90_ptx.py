@@ -122,3 +122,10 @@ def test_bool_mask_is_read_as_words_under_the_gemms(tmp_path):
     first_wait_after = ptx.find("mbarrier.try_wait", vector_loads[-1])
     first_wgmma_after = ptx.find("wgmma.mma_async", vector_loads[-1])
     assert 0 < first_wait_after < first_wgmma_after
+
+
+def test_o_rescale_is_skipped_by_whole_warps(ptx_by_variant):
+    """The ping-pong variants rescale O only when a row's max grew past the threshold: a
+    warp vote decides, so that the skip is a uniform branch."""
+    for variant in VARIANTS:
+        assert "vote.sync.any.pred" in ptx_by_variant[variant], variant

@@ -54,6 +54,9 @@ class FwdConfig:
     # tiles handed out by an atomic counter (see AttentionTileScheduler), else static
     dynamic_schedule: bool = False
     l2_kv_mib: int = 16  # the K/V of the heads worked on together is kept under this
+    # the online softmax keeps a row's max until it grows by more than this (log2 units;
+    # 0: every block), so O is rescaled only in the blocks where a max moved that far
+    rescale_threshold: float = 8.0
 
     @property
     def tile_m(self) -> int:

@@ -30,7 +30,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -380,12 +380,18 @@ class OnlineSoftmax(DslState):
     Scores stay unscaled in the accumulator; ``exp2(s * scale_log2 - max * scale_log2)``
     is one FFMA and one MUFU.EX2 per score. Rows that have seen only -inf use 0 as
     their max so that they produce zeros, never NaN.
+
+    ``rescale_threshold`` > 0 (log2 units): a row keeps its stale max until a block's
+    max exceeds it by more than that, so its exponentials stay below
+    ``2**rescale_threshold`` (fp32 sums, and P in 16 bits, hold that easily) and O needs
+    no rescale in most blocks; :meth:`step` says when a warp's rows need one.
     """
 
     dynamic_fields = ("scale_log2", "row_max", "row_sum")
 
-    def __init__(self, scale_log2: Float32, num_rows: int):
+    def __init__(self, scale_log2: Float32, num_rows: int, rescale_threshold: float = 0.0):
         self.scale_log2 = scale_log2
+        self.rescale_threshold = rescale_threshold
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
 
@@ -395,10 +401,14 @@ class OnlineSoftmax(DslState):
         self.row_sum.fill(0.0)
 
     @cute.jit
-    def step(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
-        """Exponentiate ``acc_s`` in place; return the factor to rescale O's rows by."""
+    def step(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> tuple:
+        """Exponentiate ``acc_s`` in place. Return the factors to rescale O's rows by and
+        whether any row of this warp has one other than 1 (warp-uniform: O's rescale can
+        be skipped as a whole)."""
         acc = acc_as_rows_cols(acc_s)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        conditional = const_expr(not is_first and self.rescale_threshold > 0.0)
+        grew = Boolean(False) if conditional else True
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row = acc[r, None].load()
             prev_max = self.row_max[r]
@@ -408,6 +418,11 @@ class OnlineSoftmax(DslState):
             # fmax (one FMNMX per step): the NaN-propagating max costs three instructions on
             # the softmax's critical path, and a NaN score still reaches O through its exp
             new_max = cute.arch.warp_reduction(new_max, cute.arch.fmax, threads_in_group=4)
+            if const_expr(conditional):
+                # -inf -> finite grows (inf > threshold); -inf -> -inf is NaN: stays
+                row_grew = (new_max - prev_max) * self.scale_log2 > self.rescale_threshold
+                new_max = new_max if row_grew else prev_max
+                grew = grew | row_grew
             self.row_max[r] = new_max
             safe_max = 0.0 if new_max == -Float32.inf else new_max
             max_scaled = safe_max * self.scale_log2
@@ -424,7 +439,9 @@ class OnlineSoftmax(DslState):
                 self.row_sum[r] = exp_row.reduce(
                     cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0
                 )
-        return row_scale
+        if const_expr(conditional):
+            grew = cute.arch.vote_any_sync(grew)
+        return row_scale, grew
 
     @cute.jit
     def finalize(self) -> tuple:
@@ -445,11 +462,13 @@ class OnlineSoftmax(DslState):
 
 
 @cute.jit
-def scale_rows(acc_o: cute.Tensor, row_scale: cute.Tensor):
-    """Multiply each row of an accumulator by its factor (O rescale / normalize)."""
+def scale_rows(acc_o: cute.Tensor, row_scale: cute.Tensor, when=True):
+    """Multiply each row of an accumulator by its factor (O rescale / normalize); ``when``
+    (a warp-uniform flag, as :meth:`OnlineSoftmax.step` returns) skips it as a whole."""
     acc = acc_as_rows_cols(acc_o)
-    for r in cutlass.range_constexpr(cute.size(row_scale)):
-        acc[r, None].store(acc[r, None].load() * row_scale[r])
+    if when:
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            acc[r, None].store(acc[r, None].load() * row_scale[r])
 
 
 # ---------------------------------------------------------------------------

@@ -177,6 +177,9 @@ class FlashFwdSm90:
         # turn must issue at once, so O is rescaled after the softmax, off that path;
         # without it, rescaling while S is computed hides the FMULs (large O at D >= 192).
         self.rescale_before_pv = not self.pingpong
+        # a row's max moves only when it grows by more than this (log2 units; 0: always),
+        # which skips O's rescale in most blocks (ping-pong: off the other WG's GEMM window)
+        self.rescale_threshold = config.rescale_threshold
         self.num_threads = 128 * (config.num_wg + 1)
         # 64K registers per SM: the producer WG keeps few, the consumers get the rest
         self.consumer_regs, self.producer_regs = {2: (240, 24), 3: (160, 32)}[config.num_wg]
@@ -538,7 +541,7 @@ class FlashFwdSm90:
         tScS = acc_as_rows_cols(thr_qk.partition_C(cS))
         t0ScS = acc_as_rows_cols(tiled_mma_qk.get_slice(0).partition_C(cS))
 
-        softmax = OnlineSoftmax(scale_log2, cute.size(tScS, mode=[0]))
+        softmax = OnlineSoftmax(scale_log2, cute.size(tScS, mode=[0]), self.rescale_threshold)
         o_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
 
         # the DSL's loops take no closures: bind the fragments with partial
@@ -683,14 +686,14 @@ class FlashFwdSm90:
         if const_expr(masked or self.softcap):  # a block on the band's edge, or capped scores
             mask(acc_s, col_start=n_block * self.tile_n, causal=self.causal and masked, mask_seqlen=False,
                  **mask_args)
-        row_scale = softmax.step(acc_s, is_first=False)
+        row_scale, grew = softmax.step(acc_s, is_first=False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         to_p(acc_s)  # P(n+1) is consumed: overwrite it
         if const_expr(self.rescale_before_pv):
             o_scale.store(row_scale.load())
         else:
-            scale_rows(acc_o, row_scale)
+            scale_rows(acc_o, row_scale, grew)
         return kv_state
 
     def sched_wait(self, wg):
