@@ -159,19 +159,22 @@ def test_compiled_decode_step_keeps_the_cache_write():
         _close("compiled out", out, ref_out)
 
 
-@pytest.mark.parametrize("s_q,page", [(1, None), (1, 256), (4, None), (3, 64)])
-def test_split_kv_on_a_long_cache(s_q, page):
-    """Few tiles against many keys: the keys are split over CTAs (flash-decoding) and combined;
-    the plan must choose a split here, and the result matches the reference."""
+@pytest.mark.parametrize("s_q,page,cap,lengths", [
+    (1, None, 32768, [32768, 20001]), (1, 256, 32768, [32768, 20001]), (4, None, 32768, [32768, 20001]),
+    (3, 64, 32768, [32768, 20001]), (1, None, 65536, [65536, 1, 40001]), (4, 256, 65536, [65536, 1, 40001]),
+])
+def test_split_kv_on_a_long_cache(s_q, page, cap, lengths):
+    """Few tiles against many keys (up to 65536, ragged down to 1): the keys are split over
+    CTAs (flash-decoding) and combined; the plan must choose a split here, and the result
+    matches the reference."""
     from torch_cute_ops.runtime import attention as flash_host
 
-    # few tiles: 2 x 8 kv heads (pack-GQA) for one token, 2 x 16 query heads for several
-    batch, h_q, h_kv, cap = 2, 32 if s_q == 1 else 16, 8, 32768
-    gen = torch.Generator(device="cuda").manual_seed(11 + s_q)
+    # few tiles: B x 8 kv heads (pack-GQA) for one token, B x 16 query heads for several
+    batch, h_q, h_kv = len(lengths), 32 if s_q == 1 else 16, 8
+    gen = torch.Generator(device="cuda").manual_seed(11 + s_q + cap)
     rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).bfloat16()  # noqa: E731
     k_cache, v_cache = rand(batch, cap, h_kv, 128), rand(batch, cap, h_kv, 128)
     q = rand(batch, s_q, h_q, 128)
-    lengths = [cap, 20001]
     cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     caches, table = ((k_cache, v_cache), None) if page is None else _paged((k_cache, v_cache), page, gen)
     plan = flash_host.plan_fwd(q, k_cache.reshape(1, -1, h_kv, 128), k_cache.reshape(1, -1, h_kv, 128), True,
