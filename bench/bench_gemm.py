@@ -138,12 +138,15 @@ def main():
 
 
 def parse_config(name):
-    """'pp128x192c2x1' -> GemmConfig(128, 192, 2, 1, pingpong=True)."""
+    """'pp128x192c2x1' -> GemmConfig(128, 192, 2, 1, pingpong=True); a '+sp' suffix sets
+    scale_prefetch (blockwise FP8 scales loaded a k-tile ahead)."""
     from torch_cute_ops.runtime.gemm_config import GemmConfig
 
     pingpong = name.startswith("pp")
+    name, _, flag = name.partition("+")
     tile, cluster = name.removeprefix("pp").split("c")
-    return GemmConfig(*map(int, tile.split("x")), *map(int, cluster.split("x")), pingpong=pingpong)
+    return GemmConfig(*map(int, tile.split("x")), *map(int, cluster.split("x")), pingpong=pingpong,
+                      scale_prefetch=flag == "sp")
 
 
 def host_overhead():

@@ -63,13 +63,13 @@ def check(out, ref):
     assert rel < bound_rel and max_rel < bound_max, f"rel {rel:.2e} max {max_rel:.2e}"
 
 
-def run_kernel(a, b, sa, sb, mode, bias=None, activation=None, out_dtype=torch.bfloat16):
-    """Through the launch plan, into a NaN-poisoned output."""
+def run_kernel(a, b, sa, sb, mode, bias=None, activation=None, out_dtype=torch.bfloat16, config=None):
+    """Through the launch plan (``config`` overrides the heuristic's), into a NaN-poisoned output."""
     from torch_cute_ops.runtime.gemm import SM90
 
     bias_layout = None if bias is None else (tuple(bias.shape), bias.stride())
     plan = SM90.plan(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype, bias_layout, activation,
-                     out_dtype, torch.cuda.current_device(), b_dtype=b.dtype,
+                     out_dtype, torch.cuda.current_device(), config, b_dtype=b.dtype,
                      bias_dtype=None if bias is None else bias.dtype, scale_mode=mode)
     assert not isinstance(plan, str), plan
     assert plan.spec["scale"] == mode
@@ -105,6 +105,20 @@ def test_blockwise_small_k_tile_counts(k):
     """Blockwise scales over 2, 3 and 5 k-tiles (1, 4, 6, 8 and more are in the other tests)."""
     a, b, sa, sb = operands("block", 300, 200, k)
     check(run_kernel(a, b, sa, sb, "block", out_dtype=torch.float32), reference(a, b, sa, sb, "block"))
+
+
+@pytest.mark.parametrize("k", [128, 256, 640, 16384])
+@pytest.mark.parametrize("m,n", [(300, 200), (4096, 1024)])
+def test_blockwise_scale_prefetch_variant(m, n, k):
+    """The variant that loads each k-tile's scales a k-tile ahead (GemmConfig.scale_prefetch):
+    one k-tile (only the prologue's loads), a few, and many; one tile per CTA and several
+    (4096 x 1024: 256 tiles on the persistent grid)."""
+    from torch_cute_ops.runtime.gemm_config import GemmConfig
+
+    a, b, sa, sb = operands("block", m, n, k)
+    out = run_kernel(a, b, sa, sb, "block", out_dtype=torch.float32,
+                     config=GemmConfig(128, 128, 2, 1, scale_prefetch=True))
+    check(out, reference(a, b, sa, sb, "block"))
 
 
 @pytest.mark.parametrize("mode", ["tensor", "row"])

@@ -12,6 +12,7 @@ from the TVM-FFI env stream (the current torch stream).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -284,7 +285,7 @@ def block_scaled_config(config: GemmConfig) -> GemmConfig:
     """Blockwise scales keep a second accumulator per k-tile: at most 128 columns, cooperative."""
     if config.tile_n <= 128 and not config.pingpong:
         return config
-    return GemmConfig(config.tile_m, 128, config.cluster_m, config.cluster_n, config.group_size, config.band_along_m)
+    return dataclasses.replace(config, tile_n=128, pingpong=False)
 
 
 @functools.cache
