@@ -21,6 +21,10 @@ def _spawn(worker) -> None:
 
 
 def _init(rank: int, world: int, store: str) -> None:
+    # one intra-op thread per rank: two ranks on a 2-core runner otherwise oversubscribe it, and
+    # the OpenMP pool beside gloo's threads is the likeliest source of a rare heap corruption seen
+    # once in a rank ("malloc(): unaligned tcache chunk detected")
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
 
 
