@@ -153,3 +153,61 @@ def host_times(calls: int = 2000) -> dict[str, dict[str, float]]:
     }
     return {"gemm 64^3": {k: _per_call_us(f, calls) for k, f in gemm.items()},
             "attention B1 S128 H8 D64": {k: _per_call_us(f, calls) for k, f in attention.items()}}
+
+
+def _wall_and_gpu_us(fn, calls: int, rounds: int = 5) -> tuple[float, float]:
+    """(wall, GPU-stream) us per call of an eager loop: the wall time ends on a sync; the stream
+    time spans CUDA events around the loop. Wall well above the stream time: host-bound."""
+    import torch
+
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    walls, gpus = [], []
+    for _ in range(rounds):
+        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = time.perf_counter()
+        start_event.record()
+        for _ in range(calls):
+            fn()
+        end_event.record()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - start) / calls * 1e6)
+        gpus.append(start_event.elapsed_time(end_event) / calls * 1e3)
+    return statistics.median(walls), statistics.median(gpus)
+
+
+def decode_host_times(calls: int = 1000, keys: int = 256) -> dict[str, tuple[float, float]]:
+    """One decode step's attention (B8, one query token, GQA 32/8, D128, ``keys`` cached keys):
+    (wall, GPU-stream) us per eager call for torch's SDPA, the public function, the op and the
+    bare launch; and the public function when the keys grow by one every call (a dynamic cache:
+    a new layout, so a new launch plan, each call)."""
+    import torch
+    import torch.nn.functional as F
+
+    import torch_cute_ops as tco
+    from torch_cute_ops.ops import dispatch
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    k_cache = torch.randn(8, keys + calls + 200, 8, 128, device=dev, dtype=bf)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(8, 1, 32, 128, device=dev, dtype=bf)
+    k, v = k_cache[:, :keys], v_cache[:, :keys]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out, lse = torch.empty_like(q), torch.empty(8, 32, 1, device=dev)
+    plan = dispatch.kernel_for("flash_attn_fwd", dev).plan_fwd(q, k, v, False)
+    growing = iter(range(keys, keys + 10 * calls))
+    cases = {
+        "torch SDPA": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True),
+        "tco.flash_attn_func": lambda: tco.flash_attn_func(q, k, v, causal=True),
+        "torch.ops.cute.flash_attn_fwd": lambda: torch.ops.cute.flash_attn_fwd(q, k, v, 128 ** -0.5, True),
+        "bare launch": lambda: plan(q, k, v, out, lse, 128 ** -0.5),
+    }
+    results = {name: _wall_and_gpu_us(fn, calls) for name, fn in cases.items()}
+
+    def grow():
+        n = next(growing)
+        return tco.flash_attn_func(q, k_cache[:, :n], v_cache[:, :n], causal=True)
+
+    results["tco.flash_attn_func, keys + 1 per call"] = _wall_and_gpu_us(grow, calls // 10, rounds=3)
+    return results

@@ -110,7 +110,8 @@ def _qkv_key(q, k, v):
 def _fwd_outputs_like(q):
     b, s, h, _ = q.shape
     lse_dtype = reference.compute_dtype(q.dtype)
-    return (q.new_empty(q.shape),
+    # empty_like: the C++ fast path (new_empty parses a size list: ~1 us more per call)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((b, h, s), dtype=lse_dtype))
 
 

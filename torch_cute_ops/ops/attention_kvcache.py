@@ -132,7 +132,8 @@ def _identity_pages(batch: int, device: torch.device) -> torch.Tensor:
 
 def _outputs_like(q):
     b, s, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=reference.compute_dtype(q.dtype))
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((b, h, s), dtype=reference.compute_dtype(q.dtype)))
 
 
 _plans: dict[tuple, object] = {}

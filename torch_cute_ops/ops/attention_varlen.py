@@ -89,7 +89,8 @@ def _layout_key(*tensors):
 
 def _fwd_outputs_like(q):
     total, heads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((heads, total), dtype=reference.compute_dtype(q.dtype))
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((heads, total), dtype=reference.compute_dtype(q.dtype)))
 
 
 _fwd_plans: dict[tuple, object] = {}
