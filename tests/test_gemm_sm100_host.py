@@ -89,10 +89,17 @@ def test_schedule_covers_every_output_tile_once(config, m, n, batch):
 
 
 def test_specs_round_trip_and_register():
+    torch_dtypes = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
     for spec in sm100_gemm.shipped():
         config = GemmConfig.from_spec_params(spec)
-        rebuilt = sm100_gemm.spec(spec["ab"], spec["out"], spec["a_major"] == "k", spec["b_major"] == "k",
-                                  spec["bias"], None if spec["act"] == "none" else spec["act"], config, spec["rank"])
+        activation = None if spec["act"] == "none" else spec["act"]
+        if spec.get("scale"):
+            rebuilt = gemm_runtime.scaled_spec(sm100_gemm, torch_dtypes[spec["ab"]], torch_dtypes[spec["b"]],
+                                               torch_dtypes[spec["out"]], None, spec["scale"], activation, config,
+                                               spec["rank"])
+        else:
+            rebuilt = sm100_gemm.spec(spec["ab"], spec["out"], spec["a_major"] == "k", spec["b_major"] == "k",
+                                      spec["bias"], activation, config, spec["rank"])
         assert rebuilt == spec
     assert set(shipped_specs("sm_100a", "gemm_sm100")) == set(sm100_gemm.shipped())
 
@@ -152,3 +159,31 @@ def test_launch_contract(monkeypatch):
     sm100_gemm.launch(a, b, None, None, out[:, :0])  # empty output: nothing to launch
     assert sum(len(r.calls) for r in compiled.values()) == 3
     assert sm100_gemm.spec("bf16", "bf16", True, True, False, None, GemmConfig(128, 128)).family == "gemm_sm100"
+
+
+@pytest.mark.parametrize("mode", ["tensor", "row"])
+def test_fp8_launch_plan(monkeypatch, mode):
+    """An FP8 call's plan on sm_100a (no GPU: SM count and compiled function stubbed): the variant
+    carries the scale mode and B's and the bias' dtypes on the heuristic's tile; the function gets
+    (a, b, scale_a, scale_b, bias, out, max_clusters), per-tensor scales as 1-vectors. Blockwise
+    scales have no sm_100a variant (the op falls back, counted)."""
+    calls = []
+    monkeypatch.setattr(gemm_runtime, "sm_count", lambda index: B200_SMS)
+    monkeypatch.setattr(gemm_runtime, "get_compiled", lambda spec: lambda *args: calls.append(args))
+    m, n, k = 4096, 4096, 4096
+    plan = sm100_gemm.plan((m, k), (k, 1), (k, n), (1, k), torch.float8_e4m3fn, ((n,), (1,)), "relu",
+                           torch.bfloat16, 0, b_dtype=torch.float8_e5m2, bias_dtype=torch.float32, scale_mode=mode)
+    assert isinstance(plan, gemm_runtime.ScaledGemmLaunch), plan
+    spec = plan.spec
+    assert spec.arch == "sm_100a"
+    assert (spec["scale"], spec["ab"], spec["b"], spec["bias_dtype"], spec["act"]) == (mode, "e4m3", "e5m2",
+                                                                                    "fp32", "relu")
+    assert spec["tile"] == choose_config("sm_100a", m, n, k, 1, B200_SMS).tile_mn
+    scale = torch.ones(()) if mode == "tensor" else torch.ones(m, 1)
+    plan(torch.empty(m, k), torch.empty(n, k).t(), scale, scale, torch.empty(n), torch.empty(m, n))
+    (args,) = calls
+    assert len(args) == 7 and args[2].shape == ((1,) if mode == "tensor" else (m, 1))
+    assert args[-1] == B200_SMS // (spec["cluster"][0] * spec["cluster"][1])
+    reason = sm100_gemm.plan((m, k), (k, 1), (k, n), (1, k), torch.float8_e4m3fn, None, None, torch.bfloat16, 0,
+                             b_dtype=torch.float8_e4m3fn, scale_mode="block")
+    assert reason == "sm100 gemm kernel: no FP8 variant with block scales"

@@ -215,8 +215,8 @@ class GemmHost:
         tracing, once per layout. With ``scale_mode`` ("tensor", "row", "block") the operands
         are FP8 (a's dtype ``dtype``, b's ``b_dtype``) and the launch a :class:`ScaledGemmLaunch`."""
         a3, b3 = _as_3d(a_shape, a_stride), _as_3d(b_shape, b_stride)
-        if scale_mode is not None and self.arch != "sm_90a":
-            return f"{self.kernel_name}: no FP8 variant"
+        if scale_mode is not None and scale_mode not in FP8_SCALE_MODES.get(self.arch, ()):
+            return f"{self.kernel_name}: no FP8 variant with {scale_mode} scales"
         reason = layout_reason(self.kernel_name, dtype, *a3, *b3, bias_layout, activation, out_dtype, scale_mode)
         if reason:
             return reason
@@ -314,9 +314,12 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
 
 def _sm100_shipped(host: GemmHost) -> list[KernelSpec]:
     """1-CTA and 2-CTA (+ 4x1 multicast) tiles, plain and fused epilogues, row-major B (x @ W)
-    and K-major B (x @ W.T, an nn.Linear weight), one fp16 -> fp32; batched and one 2-D."""
+    and K-major B (x @ W.T, an nn.Linear weight), one fp16 -> fp32; batched and one 2-D; FP8
+    e4m3 -> bf16 with rowwise scales."""
     one_cta, two_cta, two_cta_mcast = GemmConfig(128, 256), GemmConfig(256, 256, 2, 1), GemmConfig(256, 256, 4, 1)
     return [
+        scaled_spec(host, torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, None, "row", None, two_cta, 2),
+    ] + [
         host.spec("bf16", "bf16", True, False, False, None, one_cta),
         host.spec("bf16", "bf16", True, True, True, "gelu_tanh", one_cta),
         host.spec("bf16", "bf16", True, False, False, None, two_cta),
@@ -327,6 +330,8 @@ def _sm100_shipped(host: GemmHost) -> list[KernelSpec]:
 
 
 _SHIPPED = {"sm_90a": _sm90_shipped, "sm_100a": _sm100_shipped}
+# the FP8 scale modes each arch's kernel has (blockwise promotion per k-tile: Hopper only)
+FP8_SCALE_MODES = {"sm_90a": ("tensor", "row", "block"), "sm_100a": ("tensor", "row")}
 
 SM90 = GemmHost("sm_90a", "gemm_sm90", "sm90 gemm kernel")
 SM100 = GemmHost("sm_100a", "gemm_sm100", "sm100 gemm kernel")

@@ -2,6 +2,11 @@
 
 ``out[l] = act(alpha * a[l] @ b[l] + bias)``, accumulated in fp32 in tensor memory (TMEM).
 
+FP8 (``scale_mode`` set; e4m3 / e5m2 operands, tcgen05's kind::f8f6f4 MMA over 128-byte k-tiles):
+per-tensor scales fold into alpha, rowwise ones (scale_a (M, 1), scale_b (1, N)) multiply each
+accumulator value in the epilogue by its row's and column's scale. Blockwise scales (a promotion
+per k-tile) have no variant here.
+
 Warp roles inside one CTA (192 threads, persistent over output tiles):
 
 * warps 0-3, epilogue: TMEM -> registers (tcgen05.ld), alpha, bias and activation in fp32,
@@ -30,11 +35,13 @@ from ...runtime.gemm_config import GemmConfig
 from ...runtime.spec import KernelSpec
 from ...runtime.tma import TMA_ALIGN_BYTES
 from ..common.activation import apply_activation
-from ..common.gemm_operands import fake_operand, to_kernel_order
+from ..common.gemm_operands import fake_operand, fake_scales, scales_to_kernel_order, to_kernel_order
 from ..common.tile_scheduler import PersistentTileScheduler
 
 
-_DSL_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
+_DSL_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32,
+              "e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
+SCALE_MODES = (None, "tensor", "row")  # blockwise: Hopper only
 
 # Warp roles; the epilogue warps must be warps 0-3 so that warp i reads TMEM lanes 32i..32i+31.
 EPILOGUE_WARPS = (0, 1, 2, 3)
@@ -50,7 +57,7 @@ SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_100")
 SMEM_RESERVED = 3072  # mbarriers, the TMEM address slot, the bias tile and alignment padding
 TMEM_COLUMNS = 512
 ACC_STAGES = 2  # accumulator buffers in TMEM: MMA of the next tile overlaps this tile's epilogue
-MMA_K_BLOCKS = 4  # tcgen05.mma instructions (k=16 for 16-bit inputs) per k-tile: 64-wide k-tiles
+MMA_K_BLOCKS = 4  # tcgen05.mma instructions (k=16 for 16-bit inputs, 32 for FP8) per k-tile: 128 bytes of K
 
 
 def is_two_cta(config: GemmConfig) -> bool:
@@ -83,12 +90,19 @@ def _regroup_mma_modes(tensor: cute.Tensor) -> cute.Tensor:
 class GemmSm100:
     """One compiled variant: dtypes, majorness (read from the tensors), epilogue, tile config."""
 
-    def __init__(self, ab_dtype, out_dtype, has_bias: bool, activation, config: GemmConfig):
+    def __init__(self, ab_dtype, out_dtype, has_bias: bool, activation, config: GemmConfig, b_dtype=None,
+                 scale_mode=None):
         if not config_supported(config):
             raise ValueError(f"unsupported sm100 GEMM config {config}")
-        self.ab_dtype = ab_dtype
+        if scale_mode not in SCALE_MODES:
+            raise ValueError(f"scale_mode must be one of {SCALE_MODES} on sm_100a, got {scale_mode!r}")
+        if (ab_dtype.width == 8) != (scale_mode is not None):
+            raise ValueError("FP8 operands take scales (and scales FP8 operands)")
+        self.ab_dtype = ab_dtype  # A's dtype (B's too unless b_dtype says otherwise)
+        self.b_dtype = b_dtype or ab_dtype
+        self.scale_mode = scale_mode
         self.out_dtype = out_dtype
-        self.has_bias = has_bias  # the bias has the input dtype (the op layer's contract)
+        self.has_bias = has_bias  # 16-bit variants: the input dtype; FP8 ones: the spec's bias dtype
         self.activation = activation
         self.acc_dtype = cutlass.Float32
         self.config = config
@@ -101,7 +115,7 @@ class GemmSm100:
     def _plan(self, a_major, b_major, out_layout):
         """Compile-time layouts, stage counts and TMEM size for this variant."""
         self.tiled_mma = sm100_utils.make_trivial_tiled_mma(
-            self.ab_dtype, a_major, b_major, self.acc_dtype, self.cta_group, self.mma_tiler_mn
+            self.ab_dtype, self.b_dtype, a_major, b_major, self.acc_dtype, self.cta_group, self.mma_tiler_mn
         )
         mma_inst_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
         self.mma_tiler = (*self.mma_tiler_mn, mma_inst_k * MMA_K_BLOCKS)
@@ -120,10 +134,10 @@ class GemmSm100:
             self.cta_tile_mnk, self.two_cta, out_layout, self.out_dtype
         )
         a_one = sm100_utils.make_smem_layout_a(self.tiled_mma, self.mma_tiler, self.ab_dtype, 1)
-        b_one = sm100_utils.make_smem_layout_b(self.tiled_mma, self.mma_tiler, self.ab_dtype, 1)
+        b_one = sm100_utils.make_smem_layout_b(self.tiled_mma, self.mma_tiler, self.b_dtype, 1)
         epi_one = sm100_utils.make_smem_layout_epi(self.out_dtype, out_layout, self.epi_tile, 1)
         ab_stage_bytes = cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(
-            self.ab_dtype, b_one
+            self.b_dtype, b_one
         )
         epi_stage_bytes = cute.size_in_bytes(self.out_dtype, epi_one)
         self.epi_stages = 2
@@ -141,7 +155,7 @@ class GemmSm100:
             self.tiled_mma, self.mma_tiler, self.ab_dtype, self.ab_stages
         )
         self.b_smem_staged = sm100_utils.make_smem_layout_b(
-            self.tiled_mma, self.mma_tiler, self.ab_dtype, self.ab_stages
+            self.tiled_mma, self.mma_tiler, self.b_dtype, self.ab_stages
         )
         self.epi_smem_staged = sm100_utils.make_smem_layout_epi(
             self.out_dtype, out_layout, self.epi_tile, self.epi_stages
@@ -168,8 +182,22 @@ class GemmSm100:
                       mOut_torch: cute.Tensor, alpha: cutlass.Float32, max_clusters: cutlass.Int32, stream):
         self._launch(mA_torch, mB_torch, mBias, mOut_torch, alpha, max_clusters, stream)
 
-    def _launch(self, mA_torch, mB_torch, mBias, mOut_torch, alpha, max_clusters, stream):
+    @cute.jit
+    def run_scaled(self, mA_torch: cute.Tensor, mB_torch: cute.Tensor, mScaleA: cute.Tensor,
+                   mScaleB: cute.Tensor, mOut_torch: cute.Tensor, max_clusters: cutlass.Int32, stream):
+        self._launch(mA_torch, mB_torch, None, mOut_torch, Float32(1.0), max_clusters, stream, mScaleA, mScaleB)
+
+    @cute.jit
+    def run_scaled_with_bias(self, mA_torch: cute.Tensor, mB_torch: cute.Tensor, mScaleA: cute.Tensor,
+                             mScaleB: cute.Tensor, mBias: cute.Tensor, mOut_torch: cute.Tensor,
+                             max_clusters: cutlass.Int32, stream):
+        self._launch(mA_torch, mB_torch, mBias, mOut_torch, Float32(1.0), max_clusters, stream, mScaleA, mScaleB)
+
+    def _launch(self, mA_torch, mB_torch, mBias, mOut_torch, alpha, max_clusters, stream, mScaleA=None,
+                mScaleB=None):
         mA, mB, mOut = to_kernel_order(mA_torch, mB_torch, mOut_torch)
+        if cutlass.const_expr(self.scale_mode == "row"):
+            mScaleA, mScaleB = scales_to_kernel_order(mScaleA), scales_to_kernel_order(mScaleB)
         self._plan(
             LayoutEnum.from_tensor(mA).mma_major_mode(),
             LayoutEnum.from_tensor(mB).mma_major_mode(),
@@ -213,6 +241,8 @@ class GemmSm100:
             tma_mOut,
             mOut,
             mBias,
+            mScaleA,
+            mScaleB,
             alpha,
             self.cluster_layout_vmnk,
             self.a_smem_staged,
@@ -240,6 +270,8 @@ class GemmSm100:
         mOut_tma: cute.Tensor,
         mOut: cute.Tensor,
         mBias: cute.Tensor | None,
+        mScaleA: cute.Tensor | None,  # FP8: per-tensor (1,) or rowwise (M, 1, L), in kernel order
+        mScaleB: cute.Tensor | None,  # (1,) or (1, N, L)
         alpha: cutlass.Float32,
         cluster_layout_vmnk: cute.Layout,
         a_smem_staged: cute.ComposedLayout,
@@ -314,7 +346,7 @@ class GemmSm100:
             swizzle=a_smem_staged.inner,
         )
         sB = smem.allocate_tensor(
-            element_type=self.ab_dtype,
+            element_type=self.b_dtype,
             layout=b_smem_staged.outer,
             byte_alignment=1024,
             swizzle=b_smem_staged.inner,
@@ -341,6 +373,12 @@ class GemmSm100:
         tCgA = thr_mma.partition_A(gA)  # (MMA, MMA_M, MMA_K, RestM, RestK, RestL)
         tCgB = thr_mma.partition_B(gB)  # (MMA, MMA_N, MMA_K, RestN, RestK, RestL)
         tCgOut = thr_mma.partition_C(gOut)  # (MMA, MMA_M, MMA_N, RestM, RestN, RestL)
+        tCcOut = None
+        if cutlass.const_expr(self.scale_mode == "row"):
+            # (row, col, batch) of every output value, partitioned exactly as the output is
+            cOut = cute.local_tile(cute.make_identity_tensor(mOut.shape), cute.slice_(self.mma_tiler, (None, None, 0)),
+                                   (None, None, None))
+            tCcOut = thr_mma.partition_C(cOut)
 
         # TMA views; A is multicast along the cluster's N mode, B along its M mode
         tAsA, tAgA = cpasync.tma_partition(
@@ -384,7 +422,7 @@ class GemmSm100:
             tCtAcc = cute.make_tensor(tmem_ptr, acc_layout)
             self.epilogue(
                 scheduler, acc_pipe, tCtAcc, tCgOut, sOut, tma_out, mOut, mBias, sBias, alpha,
-                epi_tile, warp_idx,
+                epi_tile, warp_idx, mScaleA, mScaleB, tCcOut,
             )
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr)
@@ -458,8 +496,10 @@ class GemmSm100:
 
     @cute.jit
     def epilogue(self, scheduler, acc_pipe, tCtAcc, tCgOut, sOut, tma_out, mOut, mBias, sBias, alpha,
-                 epi_tile, warp_idx):
+                 epi_tile, warp_idx, mScaleA=None, mScaleB=None, tCcOut=None):
         tidx = cute.arch.thread_idx()[0]
+        if cutlass.const_expr(self.scale_mode == "tensor"):
+            alpha = alpha * mScaleA[0] * mScaleB[0]
         # TMEM -> registers: warp w reads lanes 32w..32w+31 (the tile's rows)
         tAcc = _regroup_mma_modes(tCtAcc)  # (TILE_M, TILE_N, ACC_STAGE)
         tAcc_epi = cute.flat_divide(tAcc, epi_tile)  # (EPI_M, EPI_N, n_m, n_n, ACC_STAGE)
@@ -489,6 +529,9 @@ class GemmSm100:
         epi_barrier = pipeline.NamedBarrier(
             barrier_id=_EPILOGUE_BARRIER_ID, num_threads=32 * len(EPILOGUE_WARPS)
         )
+        if cutlass.const_expr(self.scale_mode == "row"):
+            # coordinates of this thread's values: (T2R, T2R_M, T2R_N, n_m, n_n, RestM, RestN, RestL)
+            tTR_cOut = thr_t2r.partition_D(cute.flat_divide(_regroup_mma_modes(tCcOut), epi_tile))
         if cutlass.const_expr(mBias is not None):
             # the bias tile seen as a (rows, cols) tile with row stride 0, split like the accumulator
             sBias_mn = cute.make_tensor(sBias.iterator, cute.make_layout(self.cta_tile_mnk[:2], stride=(0, 1)))
@@ -515,6 +558,9 @@ class GemmSm100:
                     with cute.arch.elect_one():
                         acc_pipe.consumer_release(acc_state)
                     acc_state.advance()
+                if cutlass.const_expr(self.scale_mode == "row"):
+                    coords = cute.group_modes(tTR_cOut[(None, None, None, None, None, m, n, l)], 3, 5)
+                    self._apply_row_scales(tTR_rAcc, coords[(None, None, None, sub)], mScaleA, mScaleB, mOut.shape)
                 if cutlass.const_expr(mBias is not None):  # broadcast smem reads, in fp32
                     bias = tTR_sBias[(None, None, None, sub)].load().to(self.acc_dtype)
                     tTR_rAcc.store(tTR_rAcc.load() * alpha + bias)
@@ -539,6 +585,16 @@ class GemmSm100:
         epi_barrier.arrive_and_wait()
 
     @cute.jit
+    def _apply_row_scales(self, acc, coords, mScaleA, mScaleB, mn_shape):
+        """acc *= scale_a[row] * scale_b[col] per value (rowwise FP8 scales). Rows and columns
+        past M and N read the last one's scale: those values are never stored (the TMA clips)."""
+        last_row, last_col = mn_shape[0] - 1, mn_shape[1] - 1
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            row, col, batch = coords[i]
+            acc[i] = acc[i] * (mScaleA[cutlass.min(row, last_row), 0, batch]
+                               * mScaleB[0, cutlass.min(col, last_col), batch])
+
+    @cute.jit
     def _stage_bias(self, mBias, sBias, n_tile, tidx):
         """bias[n_tile * tile_n:][:tile_n] -> smem, by the epilogue threads."""
         tile_n = self.cta_tile_mnk[1]
@@ -552,15 +608,25 @@ class GemmSm100:
 
 # ---------------------------------------------------------------------- compile
 def build(spec: KernelSpec):
+    """A 16-bit variant, or an FP8 one when the spec carries a scale mode (``scale``), B's dtype
+    (``b``) and the bias dtype (``bias_dtype``), as the Hopper kernel's specs do."""
     ab, out = _DSL_TYPES[spec["ab"]], _DSL_TYPES[spec["out"]]
+    b_dtype = _DSL_TYPES[spec.get("b", spec["ab"])]
+    bias_dtype = _DSL_TYPES[spec.get("bias_dtype", spec["ab"])]
+    scale_mode = spec.get("scale")
     activation = None if spec["act"] == "none" else spec["act"]
-    gemm = GemmSm100(ab, out, spec["bias"], activation, GemmConfig.from_spec_params(spec))
+    gemm = GemmSm100(ab, out, spec["bias"], activation, GemmConfig.from_spec_params(spec), b_dtype, scale_mode)
     rank = spec["rank"]
     mA = fake_operand(ab, spec["a_major"] == "k", rank)
-    mB = fake_operand(ab, spec["b_major"] == "n", rank)
+    mB = fake_operand(b_dtype, spec["b_major"] == "n", rank)
     mOut = fake_operand(out, True, rank)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    bias = ()
     if spec["bias"]:
-        mBias = cute.runtime.make_fake_compact_tensor(ab, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES)
-        return gemm.run_with_bias, (mA, mB, mBias, mOut, Float32(1.0), Int32(1), stream)
-    return gemm.run, (mA, mB, mOut, Float32(1.0), Int32(1), stream)
+        bias = (cute.runtime.make_fake_compact_tensor(bias_dtype, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES),)
+    if scale_mode is not None:
+        scales = (fake_scales(scale_mode, rank), fake_scales(scale_mode, rank))
+        fn = gemm.run_scaled_with_bias if spec["bias"] else gemm.run_scaled
+        return fn, (mA, mB, *scales, *bias, mOut, Int32(1), stream)
+    fn = gemm.run_with_bias if spec["bias"] else gemm.run
+    return fn, (mA, mB, *bias, mOut, Float32(1.0), Int32(1), stream)
