@@ -22,7 +22,8 @@ One compiled function runs three kernels on the current stream:
    * warps 1 and 2 (one per MMA warpgroup): add each dQ tile to the fp32 accumulator in
      global memory with one TMA reduce-add (``cp.reduce.async.bulk.tensor``), handing
      the smem tile back through a pair of named barriers;
-3. postprocess: convert the fp32 dQ accumulator to the input dtype.
+3. postprocess: scale the fp32 dQ accumulator by the softmax scale and convert it to the input
+   dtype.
 
 Determinism: dK and dV are deterministic (a CTA owns its key block and loops over the
 query heads of its kv head in a fixed order, so GQA needs no atomics). dQ is summed by
@@ -184,7 +185,7 @@ class FlashBwdSm90:
         self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mSeqInfoQ, mSeqInfoK,
                           (mMask, mMaskBlocks, mMaskRange), batch, seqlen_k, softmax_scale, window_left,
                           window_right, softcap, stream)
-        self._postprocess_kernel(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent).launch(
+        self._postprocess_kernel(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent, softmax_scale).launch(
             grid=(cute.ceil_div(seqlen_q * heads, self.rows_per_cta), batch, 1),
             block=[self.row_threads, 1, 1], stream=stream)
 
@@ -327,7 +328,7 @@ class FlashBwdSm90:
 
     @cute.kernel
     def _postprocess_kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mSeqInfoQ: cute.Tensor,
-                            mSeqInfoK: cute.Tensor, keys_extent: Int32):
+                            mSeqInfoK: cute.Tensor, keys_extent: Int32, softmax_scale: Float32):
         b, s, h, lane = self._row_coords(mdQ.shape[2])
         bounds = SeqBounds(b, mdQ.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
         if s < bounds.seqlen_q:
@@ -337,7 +338,8 @@ class FlashBwdSm90:
             for k in cutlass.range_constexpr(self.chunks_per_thread):
                 chunk = lane + k * self.threads_per_row
                 acc = cute.local_tile(acc_row, (8,), (chunk,)).load()
-                cute.local_tile(dq_row, (8,), (chunk,)).store(acc.to(self.dtype))
+                # the main loop adds unscaled dS K: the scale is applied once here
+                cute.local_tile(dq_row, (8,), (chunk,)).store((acc * softmax_scale).to(self.dtype))
 
     # ---------------------------------------------------------------- main kernel
     @cute.kernel
@@ -666,9 +668,10 @@ class FlashBwdSm90:
             warpgroup.wait_group(1)  # dV and dQ done, dK still running
             pipe_do.consumer_release(state_do)
             state_do.advance()
-            # dQ (times the softmax scale) -> smem, for the writer warp's reduce-add
+            # dQ -> smem, for the writer warp's reduce-add (the postprocess applies the softmax
+            # scale once, not once per key block)
             cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg_idx, number_of_threads=_DQ_BAR_THREADS)
-            tdQsdQ.store(acc_dQ.load() * softmax_scale)
+            tdQsdQ.store(acc_dQ.load())
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg_idx,
                                      number_of_threads=_DQ_BAR_THREADS)
