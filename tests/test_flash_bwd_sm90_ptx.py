@@ -40,7 +40,10 @@ def test_ptx_is_warp_specialized_wgmma_with_tma(spec_args, tmp_path):
                       + 2 * tile_m // 16)
     assert ptx.count("wgmma.mma_async") == expected_wgmma
     assert "cp.async.bulk.tensor" in ptx  # TMA loads/stores
-    assert "cp.reduce.async.bulk.tensor" in ptx  # dQ reduce-add
+    # dQ: each warpgroup's tile stored in accumulator order (16-byte vectors) and added with one
+    # 1-D bulk reduce-add
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
+    assert "st.shared.v4.b32" in ptx
     assert ptx.count("setmaxnreg") == 2  # producer down, MMA warpgroups up
     assert "stmatrix" in ptx
     if shutil.which("ptxas"):  # SASS-level checks where the toolkit is installed

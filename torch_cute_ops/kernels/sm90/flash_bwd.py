@@ -20,16 +20,20 @@ One compiled function runs three kernels on the current stream:
      dS both go through smem. Each warpgroup writes its half of the dQ tile to smem and
      moves on; causal blocks above the diagonal are never loaded nor computed;
    * warps 1 and 2 (one per MMA warpgroup): add each dQ tile to the fp32 accumulator in
-     global memory with one TMA reduce-add (``cp.reduce.async.bulk.tensor``), handing
-     the smem tile back through a pair of named barriers;
-3. postprocess: convert the fp32 dQ accumulator to the input dtype.
+     global memory with one 1-D bulk reduce-add (``cp.reduce.async.bulk``), handing the
+     smem tile back through a pair of named barriers. The tile travels in accumulator
+     order (each thread's values in 16-byte groups, a warp's groups contiguous: vector
+     stores without bank conflicts, one base address), and the accumulator keeps that
+     order: a (B, H, query block, warpgroup, tile) buffer that the postprocess puts back;
+3. postprocess: scale the fp32 dQ accumulator by the softmax scale and convert it to the input
+   dtype.
 
 Determinism: dK and dV are deterministic (a CTA owns its key block and loops over the
 query heads of its kv head in a fixed order, so GQA needs no atomics). dQ is summed by
 TMA reduce-adds from the CTAs of different key blocks, whose order is not fixed: dQ is
 not bitwise reproducible run to run (fp32 sums, then rounded to bf16/fp16).
 Extra memory: delta and lse * log2(e) (2 x B*H*S_q fp32, padded) and the dQ accumulator
-(B*S_q*H*D fp32).
+(B*S_q*H*D fp32, S_q padded to whole query blocks; zeroed by the host).
 """
 
 from __future__ import annotations
@@ -40,9 +44,12 @@ from functools import partial
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
 
+from ...runtime.attention import DQ_BLOCK_ROWS as _DQ_BLOCK_ROWS
 from ...runtime.attention import STAT_PAD as _STAT_PAD
 from ...runtime.spec import KernelSpec
 from ..common.flash_common import (
@@ -81,6 +88,22 @@ def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None,
     atom = warpgroup.make_smem_layout_atom(kind, dtype)
     shape = (rows, cols) if stages is None else (rows, cols, stages)
     return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
+
+
+@dsl_user_op
+def _bulk_reduce_add_f32(dst: Int64, src: Int32, num_bytes: int, *, loc=None, ip=None) -> None:
+    """``num_bytes`` of fp32 from shared (``src``) added into global memory (``dst``), one
+    asynchronous bulk operation of the issuing thread's bulk group."""
+    llvm.inline_asm(
+        None,
+        [Int64(dst).ir_value(loc=loc, ip=ip), Int32(src).ir_value(loc=loc, ip=ip),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 @cute.jit
@@ -123,6 +146,8 @@ class FlashBwdSm90:
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.dq_cols = head_dim // 2  # each MMA warpgroup owns half of the dQ columns
+        assert tile_m == _DQ_BLOCK_ROWS, "the dQ accumulator's blocks are the query tiles"
+        self.dq_chunk = tile_m * self.dq_cols  # one warpgroup's dQ tile, fp32
         # pre/postprocess: a group of threads per (b, s, h) row, 16 contiguous bytes of
         # dO/O/dQ per thread and chunk, so that a warp reads whole 128-byte lines
         chunks = head_dim // 8
@@ -177,25 +202,26 @@ class FlashBwdSm90:
             seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
             padded_q = cute.ceil_div(max_seqlen_q, _STAT_PAD) * _STAT_PAD
         heads, keys_extent = cute.size(mQ.shape[2]), mK.shape[1]
-        self._preprocess_kernel(mO, mdO, mLSE, mDelta, mLSElog2, mdQacc, mSeqInfoQ, mSeqInfoK,
+        self._preprocess_kernel(mO, mdO, mLSE, mDelta, mLSElog2, mSeqInfoQ, mSeqInfoK,
                                 keys_extent).launch(
             grid=(cute.ceil_div(padded_q * heads, self.rows_per_cta), batch, 1),
             block=[self.row_threads, 1, 1], stream=stream)
         self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mSeqInfoQ, mSeqInfoK,
                           (mMask, mMaskBlocks, mMaskRange), batch, seqlen_k, softmax_scale, window_left,
                           window_right, softcap, stream)
-        self._postprocess_kernel(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent).launch(
-            grid=(cute.ceil_div(seqlen_q * heads, self.rows_per_cta), batch, 1),
-            block=[self.row_threads, 1, 1], stream=stream)
+        self._postprocess_kernel(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent, softmax_scale,
+                                 self._make_mmas()[2]).launch(
+            grid=(cute.ceil_div(seqlen_q, self.tile_m), heads, batch),
+            block=[_NUM_MMA_THREADS, 1, 1], stream=stream)
 
     @cute.jit
     def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mSeqInfoQ, mSeqInfoK,
                      mask_args, batch, seqlen_k, softmax_scale, window_left, window_right, softcap, stream):
         # (B, S, H, D) -> (S, D, H, B): TMA tiles over (S, D); (B, H, S) -> (S, H, B)
         seq_major = [1, 3, 2, 0]
-        mQ, mK, mV, mdO, mdK, mdV, mdQacc = [
+        mQ, mK, mV, mdO, mdK, mdV = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=seq_major))
-            for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)
+            for t in (mQ, mK, mV, mdO, mdK, mdV)
         ]
         mLSElog2, mDelta = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                             for t in (mLSElog2, mDelta)]
@@ -220,8 +246,8 @@ class FlashBwdSm90:
             sdS_layout = sP_layout
         # lse * log2(e) with Q, delta with dO: one query block per stage
         sStat_layout = cute.make_layout((self.tile_m, self.num_stages))
-        # fp32 dQ tile, one (tile_m, dq_cols) block per warpgroup
-        sdQ_layout = _smem_layout(Float32, self.tile_m, self.dq_cols, 2)
+        # fp32 dQ tile of each warpgroup, in accumulator order (see _consume)
+        sdQ_layout = cute.make_layout((self.dq_chunk, 2))
 
         g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         q_tile = (self.tile_m, self.head_dim)
@@ -232,9 +258,6 @@ class FlashBwdSm90:
         tma_V, gmem_V = cpasync.make_tiled_tma_atom(g2s, mV, sKV_layout, kv_tile)
         tma_dK, gmem_dK = cpasync.make_tiled_tma_atom(s2g, mdK, sKV_layout, kv_tile)
         tma_dV, gmem_dV = cpasync.make_tiled_tma_atom(s2g, mdV, sKV_layout, kv_tile)
-        tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc,
-            cute.select(sdQ_layout, mode=[0, 1]), (self.tile_m, self.dq_cols))
         stat_tile = cute.make_layout(self.tile_m)
         tma_LSE, gmem_LSE = cpasync.make_tiled_tma_atom(g2s, mLSElog2, stat_tile, (self.tile_m,))
         tma_Delta, gmem_Delta = cpasync.make_tiled_tma_atom(g2s, mDelta, stat_tile, (self.tile_m,))
@@ -265,8 +288,8 @@ class FlashBwdSm90:
 
         grid = (cute.ceil_div(seqlen_k, self.tile_n), cute.size(mK.shape[2]), batch)
         self._main_kernel(
-            tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_dQ, tma_LSE, tma_Delta,
-            gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, gmem_dQ, gmem_LSE, gmem_Delta,
+            tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_LSE, tma_Delta,
+            gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, mdQacc, gmem_LSE, gmem_Delta,
             mdK, mdV, mSeqInfoQ, mSeqInfoK, *mask_args, 1.0 / softmax_scale,
             mma_sdp, mma_dkv, mma_dq,
             sQ_layout, sKV_layout, sP_layout, sdS_layout, sdQ_layout, sStat_layout,
@@ -291,7 +314,7 @@ class FlashBwdSm90:
 
     @cute.kernel
     def _preprocess_kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                           mDelta: cute.Tensor, mLSElog2: cute.Tensor, mdQacc: cute.Tensor,
+                           mDelta: cute.Tensor, mLSElog2: cute.Tensor,
                            mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor, keys_extent: Int32):
         b, s, h, lane = self._row_coords(mO.shape[2])
         bounds = SeqBounds(b, mO.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
@@ -304,15 +327,11 @@ class FlashBwdSm90:
         row_sum = Float32(0.0)
         if in_seq:
             o_row, do_row = mO[q_entry, q_row, h, None], mdO[q_entry, q_row, h, None]
-            acc_row = mdQacc[stat_entry, stat_row, h, None]
-            zeros = cute.make_rmem_tensor((8,), Float32)
-            zeros.fill(0.0)
             for k in cutlass.range_constexpr(self.chunks_per_thread):
                 chunk = lane + k * self.threads_per_row
                 o = cute.local_tile(o_row, (8,), (chunk,)).load().to(Float32)
                 do = cute.local_tile(do_row, (8,), (chunk,)).load().to(Float32)
                 row_sum += (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                cute.autovec_copy(zeros, cute.local_tile(acc_row, (8,), (chunk,)))
         # every lane shuffles, valid row or not: the groups never straddle rows
         total = cute.arch.warp_reduction_sum(row_sum, threads_in_group=self.threads_per_row)
         if s < padded_q:
@@ -327,27 +346,38 @@ class FlashBwdSm90:
 
     @cute.kernel
     def _postprocess_kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mSeqInfoQ: cute.Tensor,
-                            mSeqInfoK: cute.Tensor, keys_extent: Int32):
-        b, s, h, lane = self._row_coords(mdQ.shape[2])
+                            mSeqInfoK: cute.Tensor, keys_extent: Int32, softmax_scale: Float32,
+                            mma_dq: cute.TiledMma):
+        """One query block of one head: its two warpgroup tiles read in accumulator order, each
+        value put back at the (row, col) the dQ GEMM's C partition gives it, times the softmax
+        scale (the main loop adds unscaled dS K), in the input dtype."""
+        tidx = cute.arch.thread_idx()[0]
+        m_block, h, b = cute.arch.block_idx()
         bounds = SeqBounds(b, mdQ.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
-        if s < bounds.seqlen_q:
-            q_row, q_entry = bounds.q_index(s, b)
-            acc_row_idx, acc_entry = bounds.padded_index(s, b)
-            acc_row, dq_row = mdQacc[acc_entry, acc_row_idx, h, None], mdQ[q_entry, q_row, h, None]
-            for k in cutlass.range_constexpr(self.chunks_per_thread):
-                chunk = lane + k * self.threads_per_row
-                acc = cute.local_tile(acc_row, (8,), (chunk,)).load()
-                cute.local_tile(dq_row, (8,), (chunk,)).store(acc.to(self.dtype))
+        if m_block * self.tile_m < bounds.seqlen_q:
+            row0, entry = bounds.padded_index(m_block * self.tile_m, b)
+            tile = mdQacc[entry, h, row0 // self.tile_m, tidx // 128, None]
+            coords = mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+            values = cute.size(coords)
+            acc = cute.make_rmem_tensor((4, values // 4), Float32)
+            cute.autovec_copy(_accumulator_order(tile, tidx % 128, values), acc)
+            for i in cutlass.range_constexpr(values):
+                row, col = coords[i]
+                s_row = m_block * self.tile_m + row
+                if s_row < bounds.seqlen_q:
+                    q_row, q_entry = bounds.q_index(s_row, b)
+                    mdQ[q_entry, q_row, h, col] = (acc[i % 4, i // 4] * softmax_scale).to(self.dtype)
 
     # ---------------------------------------------------------------- main kernel
     @cute.kernel
     def _main_kernel(
         self,
         tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
-        tma_dK: cute.CopyAtom, tma_dV: cute.CopyAtom, tma_dQ: cute.CopyAtom,
+        tma_dK: cute.CopyAtom, tma_dV: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom,
         mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
-        mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor,
+        mdK: cute.Tensor, mdV: cute.Tensor,
+        mdQacc: cute.Tensor,  # (B, H, query blocks, warpgroup, tile) fp32, accumulator order
         mLSElog2: cute.Tensor, mDelta: cute.Tensor,
         mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,  # dK, dV as plain gmem: the ragged store
         mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
@@ -355,7 +385,7 @@ class FlashBwdSm90:
         mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,  # unused when P stays in registers (swap_sdp)
-        sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout, sdQ_layout: cute.Layout,
         sStat_layout: cute.Layout,
         scale_log2: Float32, cap_scale: Float32, softmax_scale: Float32, window_left: Int32, window_right: Int32,
         SharedStorage: cutlass.Constexpr,
@@ -363,16 +393,17 @@ class FlashBwdSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, kv_head, batch = cute.arch.block_idx()
         if warp_idx == 0:
-            for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_dQ, tma_LSE, tma_Delta):
+            for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_LSE, tma_Delta):
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         swizzled = [("sQ", sQ_layout), ("sdO", sQ_layout), ("sK", sKV_layout),
-                    ("sV", sKV_layout), ("sdS", sdS_layout), ("sdQ", sdQ_layout)]
+                    ("sV", sKV_layout), ("sdS", sdS_layout)]
         if const_expr(not self.swap_sdp):
             swizzled.append(("sP", sP_layout))
         smem = {name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
                 for name, layout in swizzled}
+        smem["sdQ"] = storage.sdQ.get_tensor(sdQ_layout)
         smem["sLSE"] = storage.sLSE.get_tensor(sStat_layout)
         smem["sDelta"] = storage.sDelta.get_tensor(sStat_layout)
 
@@ -406,7 +437,7 @@ class FlashBwdSm90:
                                   pipe_kv, pipe_q, pipe_do, n_block, kv_head, batch, group,
                                   m_block_min, m_block_max, bounds)
                 elif warp_idx <= 2:
-                    self._write_dq(tma_dQ, mdQacc, smem["sdQ"], warp_idx - 1, kv_head, batch, group,
+                    self._write_dq(mdQacc, smem["sdQ"], warp_idx - 1, kv_head, batch, group,
                                    m_block_min, m_block_max, bounds)
             else:
                 cute.arch.setmaxregister_increase(_MMA_REGS)
@@ -566,8 +597,10 @@ class FlashBwdSm90:
         tdSsdS = store_PdS.partition_D(sdS)
         if const_expr(not swap):
             tPsP = store_PdS.partition_D(sP)
-        # dQ registers -> this warpgroup's fp32 smem tile (columns split across warpgroups)
-        tdQsdQ = mma_dq.get_slice(tidx).partition_C(cute.group_modes(sdQ, 1, 3))
+        # dQ registers -> this warpgroup's fp32 smem tile (columns split across warpgroups), in
+        # accumulator order: 16-byte groups, a warp's contiguous
+        tdQsdQ = _accumulator_order(sdQ[None, wg_idx], tidx % 128, cute.size(acc_dQ))
+        tdQrdQ = cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape, stride=(1, 4)))
 
         by_query = self._by_query(tScS)
 
@@ -666,9 +699,10 @@ class FlashBwdSm90:
             warpgroup.wait_group(1)  # dV and dQ done, dK still running
             pipe_do.consumer_release(state_do)
             state_do.advance()
-            # dQ (times the softmax scale) -> smem, for the writer warp's reduce-add
+            # dQ -> smem, for the writer warp's reduce-add (the postprocess applies the softmax
+            # scale once, not once per key block)
             cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg_idx, number_of_threads=_DQ_BAR_THREADS)
-            tdQsdQ.store(acc_dQ.load() * softmax_scale)
+            cute.autovec_copy(tdQrdQ, tdQsdQ)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg_idx,
                                      number_of_threads=_DQ_BAR_THREADS)
@@ -680,11 +714,10 @@ class FlashBwdSm90:
                         mdK, mdV, mdK_rows, mdV_rows, tidx, n_block, kv_head, batch, bounds)
 
     @cute.jit
-    def _write_dq(self, tma_dQ, mdQacc, sdQ, wg, kv_head, batch, group, m_block_min, m_block_max,
-                  bounds: SeqBounds):
+    def _write_dq(self, mdQacc, sdQ, wg, kv_head, batch, group, m_block_min, m_block_max, bounds: SeqBounds):
         """Writer warp of MMA warpgroup ``wg``: adds each of its dQ tiles to the fp32
-        accumulator with one TMA reduce-add, off the warpgroup's critical path."""
-        sdQ_wg = cute.group_modes(sdQ[None, None, wg], 0, 2)
+        accumulator with one 1-D bulk reduce-add, off the warpgroup's critical path."""
+        src = sdQ[None, wg].iterator.toint()
         num_m = m_block_max - m_block_min
         num_blocks = group * num_m
         if num_blocks > 0:  # (no arrival left pending at exit)
@@ -693,18 +726,19 @@ class FlashBwdSm90:
         for block in cutlass.range(num_blocks, unroll=1):
             head = kv_head * group + block // num_m
             m_block = m_block_min + block % num_m
-            gdQ = cute.local_tile(bounds.padded_rows(mdQacc, head, batch), (self.tile_m, self.dq_cols),
-                                  (m_block, wg))
-            tdQsdQ, tdQgdQ = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), sdQ_wg,
-                                                   cute.group_modes(gdQ, 0, 2))
+            row0, entry = bounds.padded_index(m_block * self.tile_m, batch)
+            dst = mdQacc[entry, head, row0 // self.tile_m, wg, None].iterator.toint()
             cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_DQ_BAR_THREADS)
-            cute.copy(tma_dQ, tdQsdQ, tdQgdQ)
-            cute.arch.cp_async_bulk_commit_group()
+            if cute.arch.lane_idx() == 0:
+                _bulk_reduce_add_f32(dst, src, self.dq_chunk * Float32.width // 8)
+                cute.arch.cp_async_bulk_commit_group()
+                if block + 1 < num_blocks:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             if block + 1 < num_blocks:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
                                          number_of_threads=_DQ_BAR_THREADS)
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if cute.arch.lane_idx() == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _store_dkv(self, acc_dK, acc_dV, softmax_scale, mma_dkv, sK, sV, tma_dK, tma_dV,
@@ -739,6 +773,14 @@ class FlashBwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
+def _accumulator_order(chunk: cute.Tensor, thread: Int32, values: int) -> cute.Tensor:
+    """Thread ``thread``'s (4, values / 4) view of a warpgroup's fp32 dQ tile kept in
+    accumulator order: its value ``4 c + j`` at ``512 c + 4 thread + j`` (128 threads), so
+    that the 16-byte groups of a warp are contiguous."""
+    base = (chunk.iterator + 4 * thread).align(16)
+    return cute.make_tensor(base, cute.make_layout((4, values // 4), stride=(1, 4 * 128)))
+
+
 # -------------------------------------------------------------------- family / host API
 def _bshd(dtype, head_dim):
     """A (B, S, H, D) tensor with any 16-byte aligned strides but a unit last one."""
@@ -760,9 +802,10 @@ def build(spec: KernelSpec):
     padded_stat = lambda: cute.runtime.make_fake_compact_tensor(
         Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(divisibility=_STAT_PAD)),
         stride_order=(2, 1, 0), assumed_align=16)
+    # dQ accumulator (B, H, query blocks, warpgroup, tile): warpgroup tiles in accumulator order
     dq_accum = cute.runtime.make_fake_compact_tensor(
-        Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), head_dim),
-        stride_order=(3, 2, 1, 0), assumed_align=16)
+        Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 2, tile_m * head_dim // 2),
+        stride_order=(4, 3, 2, 1, 0), assumed_align=16)
     bshd = lambda: _bshd(dtype, head_dim)
     cu_seqlens = lambda: cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
     fake_args = (
