@@ -584,9 +584,10 @@ class FlashBwdSm90:
         acc_dK.fill(0.0)
         # (rows, cols) views of S / P and dP / dS, and of their coordinates in the tile
         acc_S_rc, acc_dP_rc = acc_as_rows_cols(acc_S), acc_as_rows_cols(acc_dP)
-        # softcap: d(softcap * tanh(u)) / d(scaled score) = 1 - tanh(u)^2, per score
-        dcap = cute.make_rmem_tensor_like(acc_S) if const_expr(self.softcap) else None
-        dcap_rc = acc_as_rows_cols(dcap) if const_expr(self.softcap) else None
+        # softcap: d(softcap * tanh(u)) / d(scaled score) = 1 - tanh(u)^2 per score, tanh(u)
+        # recovered from P itself (P = exp2(tanh(u) * scale_log2 - lse * log2 e)): one MUFU.LG2
+        # per score instead of a second fp32 fragment live from the exp to dS (it spilled)
+        inv_scale_log2 = 1.0 / scale_log2 if const_expr(self.softcap) else None
         cS = cute.make_identity_tensor(sdp_tile)
         tScS = acc_as_rows_cols(mma_sdp.get_slice(tidx).partition_C(cS))
         t0ScS = acc_as_rows_cols(mma_sdp.get_slice(0).partition_C(cS))
@@ -634,8 +635,6 @@ class FlashBwdSm90:
             # P = exp2(S * scale * log2(e) - lse * log2(e))
             if const_expr(self.softcap):  # capped before the mask: masked scores stay -inf
                 apply_softcap(acc_S, cap_scale)
-                for i in cutlass.range_constexpr(cute.size(acc_S)):
-                    dcap[i] = 1.0 - acc_S[i] * acc_S[i]
             if const_expr(self.masked):  # attn_mask values where the block is not full
                 if mMaskBlocks[batch, head, m_block, n_block] != BLOCK_FULL:
                     apply_attn_mask(acc_S, tScS, mMask[batch, head, None, None], m_block * self.tile_m,
@@ -672,10 +671,18 @@ class FlashBwdSm90:
             warpgroup.wait_group(1 if const_expr(swap) else 0)  # dP done (dV in flight)
             for query, coords in by_query:
                 delta = sDelta[query, do_idx]
+                if const_expr(self.softcap):
+                    lse_log2 = sLSE[query, q_idx]
                 for rc in coords:
-                    acc_dP_rc[rc] = acc_S_rc[rc] * (acc_dP_rc[rc] - delta)
+                    p = acc_S_rc[rc]
+                    acc_dP_rc[rc] = p * (acc_dP_rc[rc] - delta)
                     if const_expr(self.softcap):
-                        acc_dP_rc[rc] = acc_dP_rc[rc] * dcap_rc[rc]
+                        # clamped to tanh's range: P = 0 (masked, underflowed, or a row whose
+                        # lse is +inf) then gives a finite factor times dS = 0
+                        tanh_u = (cute.math.log2(cute.arch.fmax(p, Float32(1e-37)), fastmath=True)
+                                  + lse_log2) * inv_scale_log2
+                        tanh_u = cute.arch.fmin(cute.arch.fmax(tanh_u, Float32(-1.0)), Float32(1.0))
+                        acc_dP_rc[rc] = acc_dP_rc[rc] * (1.0 - tanh_u * tanh_u)
             rdS = _to_dtype(acc_dP, self.dtype)
             if const_expr(swap and self.num_stages == 1):
                 # single dS buffer: the other warpgroup's dQ of the previous block read it
