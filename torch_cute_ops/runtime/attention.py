@@ -319,18 +319,18 @@ def _current_raw_stream(device_index: int) -> int:
     return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
 
 
-def _tile_counter(device_index: int) -> torch.Tensor:
+def _tile_counter(device: torch.device) -> torch.Tensor:
     """The dynamic schedule's tile counter of the current stream: zeroed once, and zeroed again
     by every launch's last claim (``AttentionTileScheduler.claim_tile``), so launches in stream
     order share it; launches on other streams, which may overlap, get their own. While a CUDA
     graph is captured each launch gets a fresh one (a captured memset): graphs replayed on
     different streams never share a counter."""
-    if torch._C._cuda_isCurrentStreamCapturing():
-        return torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index))
-    key = (device_index, _current_raw_stream(device_index))
+    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (device.index, _current_raw_stream(device.index))
     counter = _tile_counters.get(key)
     if counter is None:
-        counter = _tile_counters[key] = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", device_index))
+        counter = _tile_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return counter
 
 
@@ -427,7 +427,7 @@ class FlashFwdLaunch:
         (b, s_q, h, _), s_k = q.shape, k.shape[1]
         blocks, ranges, bits = mask_summary(attn_mask, ("fwd", s_q, s_k, self.tiles), lambda: _fwd_mask_summary(
             attn_mask, s_q, s_k, self.tiles))
-        counter = _tile_counter(self.device_index)
+        counter = _tile_counter(q.device)
         unused = _unused_counter(self.device_index)
         m_blocks, n_blocks = blocks.shape[-2:]
         mask = _kernel_mask(attn_mask, b, h, s_q, s_k) if bits is None else bits.expand(b, h, *bits.shape[2:])
@@ -441,7 +441,7 @@ class FlashFwdLaunch:
             return
         q, out, lse, finish = self._gqa_rows(q, out, lse)
         unused = _unused_counter(self.device_index)
-        counter = _tile_counter(self.device_index) if self.dynamic else unused
+        counter = _tile_counter(q.device) if self.dynamic else unused
         self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right,
                 softcap, self.grid, *self._split_args(q))
@@ -456,7 +456,7 @@ class FlashFwdLaunch:
         lse.fill_(float("-inf"))
         if self.no_keys:
             return
-        counter = _tile_counter(self.device_index)
+        counter = _tile_counter(q.device)
         self.fn(q, k, v, out, lse, counter, key_start, key_end, 0, 0, *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right,
                 softcap, self.grid, *self._split_args(q))
@@ -469,7 +469,7 @@ class FlashFwdLaunch:
         if self._attends_to_nothing(out, lse):  # an empty cache
             return
         q, out, lse, finish = self._gqa_rows(q, out, lse)
-        counter = _tile_counter(self.device_index)
+        counter = _tile_counter(q.device)
         rows = k_cache.shape[0] * k_cache.shape[1]
         k_rows = k_cache.reshape(1, rows, *k_cache.shape[2:])
         v_rows = v_cache.reshape(1, rows, *v_cache.shape[2:])
@@ -484,7 +484,7 @@ class FlashFwdLaunch:
         """Varlen: q, k, v, out (total, H, D), lse (H, total_q); the plan's variant is packed."""
         if self._attends_to_nothing(out, lse):
             return
-        counter = _tile_counter(self.device_index)
+        counter = _tile_counter(q.device)
         self.fn(q[None], k[None], v[None], out[None], lse[None], counter, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k, *_mask_placeholders(self.device_index), softmax_scale, window_left,
                 window_right, softcap, self.grid, *self._split_args(q))
