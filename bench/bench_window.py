@@ -8,6 +8,7 @@ bf16 (B, S, H, D) random inputs, causal with window (W, 0) (each query sees itse
 keys before it). Forward: ``tco.flash_attn_func(..., causal=True, window_size=(W, 0))`` vs
 ``flash_attn.cute.flash_attn_func`` with the same window, and vs ``tco.flash_attn_func(...,
 causal=True)``; backward: the gradients of the same calls (``torch.autograd.grad`` given dO).
+``--softcap C``: also full causal with softcap C, ours and FA4's (each one's cost of the cap).
 Medians of ``triton.testing.do_bench``, providers interleaved over ``--rounds`` rounds. Prints ms
 and ratios, writes DIR/window.json.
 """
@@ -61,6 +62,9 @@ def main() -> None:
         calls["tco causal softcap"] = lambda: tco.flash_attn_func(q, k, v, causal=True, softcap=args.softcap)
     if fa4 is not None:
         calls["fa4 window"] = lambda: first(fa4(q, k, v, causal=True, window_size=window))
+        if args.softcap:  # FA4's own cost of the cap: what the design allows (MUFU: tanh + exp2)
+            calls["fa4 causal"] = lambda: first(fa4(q, k, v, causal=True))
+            calls["fa4 causal softcap"] = lambda: first(fa4(q, k, v, causal=True, softcap=args.softcap))
     tco.ops.fallback.reset()
     ms, outs = time_fwd_bwd(calls, (q, k, v), dout, args.rounds)
     ref = outs.get("fa4 window")
@@ -77,8 +81,13 @@ def main() -> None:
     if args.softcap:
         for kind in ("fwd", "bwd"):
             capped, plain = ms[f"tco causal softcap {kind}"], ms[f"tco causal {kind}"]
-            print(f"{kind}: full causal with softcap {args.softcap:g} {capped:.3f} ms vs without {plain:.3f} ms "
-                  f"(+{(capped / plain - 1) * 100:.1f}%)")
+            line = (f"{kind}: full causal with softcap {args.softcap:g} {capped:.3f} ms vs without {plain:.3f} ms "
+                    f"(+{(capped / plain - 1) * 100:.1f}%)")
+            if f"fa4 causal softcap {kind}" in ms:
+                fa4_capped, fa4_plain = ms[f"fa4 causal softcap {kind}"], ms[f"fa4 causal {kind}"]
+                line += (f"; FA4 {fa4_capped:.3f} vs {fa4_plain:.3f} ms (+{(fa4_capped / fa4_plain - 1) * 100:.1f}%), "
+                         f"tco/FA4 speed capped {fa4_capped / capped:.2f}x")
+            print(line)
     print(f"fallbacks: {tco.fallback_counts() or 'none'}; rel. diff of outputs vs FA4: {err}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "window.json").write_text(json.dumps({"ms": ms, "args": vars(args) | {"out": str(args.out)},

@@ -92,3 +92,66 @@ def _mark_without_dynamo(fn):
         return fallback.constant_result(fn)
     finally:
         sys.modules["torch._dynamo"] = saved
+
+
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms(True[, warn_only]) for one test, restored after."""
+    was, was_warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield lambda warn_only=False: torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    torch.use_deterministic_algorithms(was, warn_only=was_warn_only)
+    fallback._warned_nondeterministic.clear()
+
+
+def test_nondeterministic_kernels_follow_torchs_deterministic_mode(deterministic, caplog):
+    """Off: the kernels run. On: a reason (the op falls back, counted). warn_only: one warning
+    per op and the kernel runs, as PyTorch's own nondeterministic ops do."""
+    assert fallback.nondeterministic_reason("flash_attn_bwd") is None
+    deterministic()
+    assert "use_deterministic_algorithms" in fallback.nondeterministic_reason("flash_attn_bwd")
+    deterministic(warn_only=True)
+    with caplog.at_level(logging.WARNING, logger="torch_cute_ops"):
+        assert fallback.nondeterministic_reason("flash_attn_bwd") is None
+        assert fallback.nondeterministic_reason("flash_attn_bwd") is None
+    assert sum("not bitwise reproducible" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_deterministic_mode_takes_the_backward_off_the_kernel(monkeypatch, deterministic, varlen):
+    """With a kernel plan in hand (stubbed: calling it fails the test), deterministic mode sends
+    the attention backward to the reference path and counts the fallback; the gradients are the
+    reference's."""
+    from torch_cute_ops.ops import attention, attention_varlen
+    from torch_cute_ops.reference import attention as ref
+
+    class KernelPlan:
+        def __getattr__(self, name):
+            raise AssertionError("the kernel ran under deterministic mode")
+
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("the kernel ran under deterministic mode")
+
+    module = attention_varlen if varlen else attention
+    monkeypatch.setattr(module, "_make_bwd_plan", lambda key, *args: KernelPlan())
+    torch.manual_seed(0)
+    if varlen:
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        q, k, v = (torch.randn(12, 4, 32) for _ in range(3))
+        out, lse = ref.flash_attn_varlen_fwd(q, k, v, cu, cu, 0.2, True)
+        dout = torch.randn_like(out)
+        args = (dout, q, k, v, out, lse, cu, cu, 7, 7, 0.2, True)
+        expected = ref.flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu, cu, 0.2, True)
+    else:
+        q, k, v = (torch.randn(2, 9, 4, 32) for _ in range(3))
+        out, lse = ref.flash_attn_fwd(q, k, v, 0.2, True)
+        dout = torch.randn_like(out)
+        args = (dout, q, k, v, out, lse, 0.2, True)
+        expected = ref.flash_attn_bwd(dout, q, k, v, out, lse, 0.2, True)
+    deterministic()
+    fallback.reset()
+    grads = (attention_varlen._flash_attn_varlen_bwd if varlen else attention._flash_attn_bwd)(*args)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want)
+    op = "flash_attn_varlen_bwd" if varlen else "flash_attn_bwd"
+    assert [reason for (name, reason) in fallback.counts() if name == op] == [
+        fallback.nondeterministic_reason(op)]

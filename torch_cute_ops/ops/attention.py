@@ -259,7 +259,8 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
     plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, band_causal, local, softcap,
                                                  key_start, key_end, attn_mask)
     if not isinstance(plan, str):
-        reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
+        reason = (fallback.nondeterministic_reason("flash_attn_bwd")
+                  or pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
         if reason is None:
             dq, dk, dv = empty_grads(q, k, v)
             if key_start is not None:

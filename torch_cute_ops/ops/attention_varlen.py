@@ -206,7 +206,8 @@ def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
     plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                  max_seqlen_q, max_seqlen_k, band_causal, local, softcap)
     if not isinstance(plan, str):
-        reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
+        reason = (fallback.nondeterministic_reason("flash_attn_varlen_bwd")
+                  or pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
         if reason is None:
             dq, dk, dv = empty_grads(q, k, v)
             plan.packed(dout, q, k, v, out, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
