@@ -242,7 +242,8 @@ def _make_bwd_plan(key, dout, q, k, v, out, lse, causal, local, softcap, key_sta
             tma_reason("dout", dout, (3,), check_pointer=False)
             or tma_reason("out", out, (3,), check_pointer=False)
             or _masked_reason(causal, local, softcap, key_start, attn_mask)
-            or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows=rows, attn_mask=host.mask_kind(attn_mask)))
+            or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows=rows, attn_mask=host.mask_kind(attn_mask),
+                             deterministic=key[-1]))
     return _remember(_bwd_plans, key, plan)
 
 
@@ -255,12 +256,12 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
     key = (*_qkv_key(q, k, v), dout.shape, dout.stride(), dout.dtype, out.shape, out.stride(), out.dtype,
            lse.shape, lse.dtype, lse.device, band_causal, local, softcap != 0.0,
-           _optional_key(key_start), _optional_key(key_end), _optional_key(attn_mask))
+           _optional_key(key_start), _optional_key(key_end), _optional_key(attn_mask),
+           torch.are_deterministic_algorithms_enabled())
     plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, band_causal, local, softcap,
                                                  key_start, key_end, attn_mask)
     if not isinstance(plan, str):
-        reason = (fallback.nondeterministic_reason("flash_attn_bwd")
-                  or pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
+        reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
             dq, dk, dv = empty_grads(q, k, v)
             if key_start is not None:

@@ -192,7 +192,7 @@ def _make_bwd_plan(key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max
         plan = host if isinstance(host, str) else (
             tma_reason("dout", dout, (2,), check_pointer=False)
             or tma_reason("out", out, (2,), check_pointer=False)
-            or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows="packed"))
+            or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows="packed", deterministic=key[-1]))
     return _remember(_bwd_plans, key, plan)
 
 
@@ -202,12 +202,12 @@ def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
     if q.dim() != 3 or k.dim() != 3 or min(max_seqlen_q, max_seqlen_k) < 0:
         _validate_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, max_seqlen_q, max_seqlen_k)
-    key = (*_layout_key(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap != 0.0)
+    key = (*_layout_key(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap != 0.0,
+           torch.are_deterministic_algorithms_enabled())
     plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                  max_seqlen_q, max_seqlen_k, band_causal, local, softcap)
     if not isinstance(plan, str):
-        reason = (fallback.nondeterministic_reason("flash_attn_varlen_bwd")
-                  or pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
+        reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
             dq, dk, dv = empty_grads(q, k, v)
             plan.packed(dout, q, k, v, out, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),

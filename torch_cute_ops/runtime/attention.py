@@ -140,11 +140,14 @@ DQ_BLOCK_ROWS = 64  # the backward's query tile (every head dim): the dQ accumul
 
 
 def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False,
-             softcap: bool = False, rows: str = "dense", attn_mask: str = "none") -> KernelSpec:
+             softcap: bool = False, rows: str = "dense", attn_mask: str = "none",
+             deterministic: bool = False) -> KernelSpec:
+    """``deterministic``: dQ's key blocks added in key order (bitwise reproducible dQ)."""
     tile_m, tile_n, num_stages = BWD_TILES[head_dim]
+    extra = {"deterministic": True} if deterministic else {}
     return KernelSpec.make(BWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
                            softcap=softcap, rows=rows, attn_mask=attn_mask, tile=(tile_m, tile_n),
-                           stages=num_stages)
+                           stages=num_stages, **extra)
 
 
 def shipped(arch: str) -> list[KernelSpec]:
@@ -582,11 +585,19 @@ def _bwd_workspaces(batch: int, heads: int, stat_rows: int, accum_rows: int, hea
 class FlashBwdLaunch:
     """The backward of one input layout: writes dq, dk, dv (preallocated, contiguous)."""
 
-    __slots__ = ("fn", "device_index")
+    __slots__ = ("fn", "device_index", "deterministic")
 
     def __init__(self, spec: KernelSpec, device_index: int):
         self.fn = get_compiled(spec)
         self.device_index = device_index
+        self.deterministic = spec.get("deterministic", False)
+
+    def _dq_order(self, dq_accum: torch.Tensor) -> torch.Tensor:
+        """Deterministic variants: one zeroed int32 per dQ accumulator tile, the count of key
+        blocks added to it so far (the next one waits for its turn); else a placeholder."""
+        if not self.deterministic:
+            return _unused_counter(self.device_index)
+        return torch.zeros(dq_accum.shape[:4], dtype=torch.int32, device=dq_accum.device)
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, window_left: int = 0,
                  window_right: int = 0, softcap: float = 0.0) -> None:
@@ -594,7 +605,8 @@ class FlashBwdLaunch:
         delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
                                                     head_dim, q.device)
         unused = _unused_counter(self.device_index)
-        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, unused, unused, 0, 0,
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, self._dq_order(dq_accum),
+                unused, unused, 0, 0,
                 *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
 
@@ -610,7 +622,8 @@ class FlashBwdLaunch:
                                                     head_dim, q.device)
         unused = _unused_counter(self.device_index)
         m_blocks, n_blocks = blocks.shape[-2:]
-        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, unused, unused, 0, 0,
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, self._dq_order(dq_accum),
+                unused, unused, 0, 0,
                 _kernel_mask(attn_mask, batch, heads, seqlen_q, seqlen_k),
                 blocks.expand(batch, heads, m_blocks, n_blocks), ranges.expand(batch, kv_heads, n_blocks, 2),
                 softmax_scale, 0, 0, 0.0)
@@ -624,7 +637,8 @@ class FlashBwdLaunch:
                                                     head_dim, q.device)
         for grad in (dq, dk, dv):
             grad.zero_()
-        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, key_start, key_end, 0, 0,
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, self._dq_order(dq_accum),
+                key_start, key_end, 0, 0,
                 *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
 
@@ -638,13 +652,14 @@ class FlashBwdLaunch:
         padded = -(-(total_q + batch * STAT_PAD) // STAT_PAD) * STAT_PAD
         delta, lse_log2, dq_accum = _bwd_workspaces(1, heads, padded, padded, head_dim, q.device)
         self.fn(dout[None], q[None], k[None], v[None], out[None], lse[None], dq[None], dk[None], dv[None],
-                delta, lse_log2, dq_accum, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                delta, lse_log2, dq_accum, self._dq_order(dq_accum), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k,
                 *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
 
 
 def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False,
-             rows: str = "dense", attn_mask: str = "none") -> FlashBwdLaunch | str:
+             rows: str = "dense", attn_mask: str = "none", deterministic: bool = False) -> FlashBwdLaunch | str:
     """The backward launch for this layout of q, k, v, or the reason no kernel covers it
     (dout and out, loaded like q, are checked by the op layer). ``rows`` as in :func:`plan_fwd`."""
     if rows == "packed":
@@ -656,7 +671,7 @@ def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False,
         return reason
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     spec = bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal, local=local, softcap=softcap, rows=rows,
-                    attn_mask=attn_mask)
+                    attn_mask=attn_mask, deterministic=deterministic)
     return FlashBwdLaunch(spec, device_index)
 
 

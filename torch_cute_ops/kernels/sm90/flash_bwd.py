@@ -30,8 +30,11 @@ One compiled function runs three kernels on the current stream:
 
 Determinism: dK and dV are deterministic (a CTA owns its key block and loops over the
 query heads of its kv head in a fixed order, so GQA needs no atomics). dQ is summed by
-TMA reduce-adds from the CTAs of different key blocks, whose order is not fixed: dQ is
-not bitwise reproducible run to run (fp32 sums, then rounded to bf16/fp16).
+bulk reduce-adds from the CTAs of different key blocks, whose order is not fixed: dQ is
+not bitwise reproducible run to run (fp32 sums, then rounded to bf16/fp16). The
+``deterministic`` variants fix the order: a writer adds its tile only once every lower key
+block that visits the tile has added its own (an int32 count per accumulator tile, acquired
+and released at GPU scope); CTAs launch in key-block order, so the waits always end.
 Extra memory: delta and lse * log2(e) (2 x B*H*S_q fp32, padded) and the dQ accumulator
 (B*S_q*H*D fp32, S_q padded to whole query blocks; zeroed by the host).
 """
@@ -47,7 +50,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ...runtime.attention import DQ_BLOCK_ROWS as _DQ_BLOCK_ROWS
 from ...runtime.attention import STAT_PAD as _STAT_PAD
@@ -106,6 +109,34 @@ def _bulk_reduce_add_f32(dst: Int64, src: Int32, num_bytes: int, *, loc=None, ip
     )
 
 
+@dsl_user_op
+def _load_acquire_gpu(addr: Int64, *, loc=None, ip=None) -> Int32:
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _add_release_gpu(addr: Int64, value: Int32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(
+        None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+        "red.release.gpu.global.add.s32 [$0], $1;", "l,r,~{memory}",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _nanosleep(ns: int, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [], f"nanosleep.u32 {ns};", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _fence_proxy_async_global(*, loc=None, ip=None) -> None:
+    """Orders this thread's generic-proxy global accesses with its bulk (async-proxy) ones."""
+    llvm.inline_asm(None, [], "fence.proxy.async.global;", "~{memory}", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 @cute.jit
 def _wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
            zero_init: cutlass.Constexpr[bool]):
@@ -129,7 +160,7 @@ class FlashBwdSm90:
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int,
                  num_stages: int, local: bool = False, softcap: bool = False, rows: str = "dense",
-                 attn_mask: str = "none"):
+                 attn_mask: str = "none", deterministic: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -142,6 +173,7 @@ class FlashBwdSm90:
         # PyTorch's attn_mask ("bool" or "add"itive), read in the blocks its summary says partial
         self.attn_mask = attn_mask
         self.masked = attn_mask != "none"
+        self.deterministic = deterministic  # dQ's key blocks added in key order (see the docstring)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_stages = num_stages
@@ -190,7 +222,7 @@ class FlashBwdSm90:
     def __call__(self, mdO: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mO: cute.Tensor, mLSE: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mDelta: cute.Tensor, mLSElog2: cute.Tensor,
-                 mdQacc: cute.Tensor, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
+                 mdQacc: cute.Tensor, mDqOrder: cute.Tensor, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
                  max_seqlen_q: Int32, max_seqlen_k: Int32, mMask: cute.Tensor, mMaskBlocks: cute.Tensor,
                  mMaskRange: cute.Tensor, softmax_scale: Float32, window_left: Int32,
                  window_right: Int32, softcap: Float32, stream):
@@ -206,7 +238,7 @@ class FlashBwdSm90:
                                 keys_extent).launch(
             grid=(cute.ceil_div(padded_q * heads, self.rows_per_cta), batch, 1),
             block=[self.row_threads, 1, 1], stream=stream)
-        self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mSeqInfoQ, mSeqInfoK,
+        self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mDqOrder, mSeqInfoQ, mSeqInfoK,
                           (mMask, mMaskBlocks, mMaskRange), batch, seqlen_k, softmax_scale, window_left,
                           window_right, softcap, stream)
         self._postprocess_kernel(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent, softmax_scale,
@@ -215,7 +247,7 @@ class FlashBwdSm90:
             block=[_NUM_MMA_THREADS, 1, 1], stream=stream)
 
     @cute.jit
-    def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mSeqInfoQ, mSeqInfoK,
+    def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mDqOrder, mSeqInfoQ, mSeqInfoK,
                      mask_args, batch, seqlen_k, softmax_scale, window_left, window_right, softcap, stream):
         # (B, S, H, D) -> (S, D, H, B): TMA tiles over (S, D); (B, H, S) -> (S, H, B)
         seq_major = [1, 3, 2, 0]
@@ -289,7 +321,7 @@ class FlashBwdSm90:
         grid = (cute.ceil_div(seqlen_k, self.tile_n), cute.size(mK.shape[2]), batch)
         self._main_kernel(
             tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_LSE, tma_Delta,
-            gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, mdQacc, gmem_LSE, gmem_Delta,
+            gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, mdQacc, mDqOrder, gmem_LSE, gmem_Delta,
             mdK, mdV, mSeqInfoQ, mSeqInfoK, *mask_args, 1.0 / softmax_scale,
             mma_sdp, mma_dkv, mma_dq,
             sQ_layout, sKV_layout, sP_layout, sdS_layout, sdQ_layout, sStat_layout,
@@ -378,6 +410,7 @@ class FlashBwdSm90:
         mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
         mdK: cute.Tensor, mdV: cute.Tensor,
         mdQacc: cute.Tensor,  # (B, H, query blocks, warpgroup, tile) fp32, accumulator order
+        mDqOrder: cute.Tensor,  # deterministic: (B, H, query blocks, warpgroup) int32 add counts
         mLSElog2: cute.Tensor, mDelta: cute.Tensor,
         mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,  # dK, dV as plain gmem: the ragged store
         mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
@@ -437,8 +470,8 @@ class FlashBwdSm90:
                                   pipe_kv, pipe_q, pipe_do, n_block, kv_head, batch, group,
                                   m_block_min, m_block_max, bounds)
                 elif warp_idx <= 2:
-                    self._write_dq(mdQacc, smem["sdQ"], warp_idx - 1, kv_head, batch, group,
-                                   m_block_min, m_block_max, bounds)
+                    self._write_dq(mdQacc, mDqOrder, smem["sdQ"], warp_idx - 1, n_block, kv_head, batch, group,
+                                   m_block_min, m_block_max, bounds, window_left, window_right, mMaskRange)
             else:
                 cute.arch.setmaxregister_increase(_MMA_REGS)
                 self._consume(mdK, mdV, mdK_rows, mdV_rows, tma_dK, tma_dV,
@@ -721,9 +754,11 @@ class FlashBwdSm90:
                         mdK, mdV, mdK_rows, mdV_rows, tidx, n_block, kv_head, batch, bounds)
 
     @cute.jit
-    def _write_dq(self, mdQacc, sdQ, wg, kv_head, batch, group, m_block_min, m_block_max, bounds: SeqBounds):
+    def _write_dq(self, mdQacc, mDqOrder, sdQ, wg, n_block, kv_head, batch, group, m_block_min, m_block_max,
+                  bounds: SeqBounds, window_left, window_right, mMaskRange):
         """Writer warp of MMA warpgroup ``wg``: adds each of its dQ tiles to the fp32
-        accumulator with one 1-D bulk reduce-add, off the warpgroup's critical path."""
+        accumulator with one 1-D bulk reduce-add, off the warpgroup's critical path
+        (deterministic variants: in key-block order, see :meth:`_dq_turn`)."""
         src = sdQ[None, wg].iterator.toint()
         num_m = m_block_max - m_block_min
         num_blocks = group * num_m
@@ -734,18 +769,52 @@ class FlashBwdSm90:
             head = kv_head * group + block // num_m
             m_block = m_block_min + block % num_m
             row0, entry = bounds.padded_index(m_block * self.tile_m, batch)
-            dst = mdQacc[entry, head, row0 // self.tile_m, wg, None].iterator.toint()
+            tile_idx = (entry, head, row0 // self.tile_m, wg)
+            dst = mdQacc[(*tile_idx, None)].iterator.toint()
+            turn = Int32(0)
+            if const_expr(self.deterministic):  # worked out while the warpgroup computes the tile
+                turn = self._dq_turn(n_block, m_block, kv_head, batch, bounds, window_left, window_right,
+                                     mMaskRange)
             cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_DQ_BAR_THREADS)
             if cute.arch.lane_idx() == 0:
+                if const_expr(self.deterministic):
+                    count = (mDqOrder.iterator + cute.crd2idx(tile_idx, mDqOrder.layout)).toint()
+                    while _load_acquire_gpu(count) != turn:
+                        _nanosleep(32)
+                    _fence_proxy_async_global()
                 _bulk_reduce_add_f32(dst, src, self.dq_chunk * Float32.width // 8)
                 cute.arch.cp_async_bulk_commit_group()
-                if block + 1 < num_blocks:
+                if const_expr(self.deterministic):
+                    # the add must be performed before the next key block's may start
+                    cute.arch.cp_async_bulk_wait_group(0)
+                    _fence_proxy_async_global()
+                    _add_release_gpu(count, Int32(1))
+                elif block + 1 < num_blocks:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
             if block + 1 < num_blocks:
                 cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
                                          number_of_threads=_DQ_BAR_THREADS)
         if cute.arch.lane_idx() == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _dq_turn(self, n_block, m_block, kv_head, batch, bounds: SeqBounds, window_left, window_right,
+                 mMaskRange) -> Int32:
+        """How many lower key blocks visit query block ``m_block``: this key block's turn to add
+        to that dQ tile. Dense and causal: all of them (a lower block's first query block is no
+        later than this one's). Windows and masks: counted with the same query-block ranges the
+        CTAs loop over, so the count always comes."""
+        if const_expr(not self.local and not self.masked):
+            return Int32(n_block)
+        turn = Int32(0)
+        for lower in cutlass.range(n_block, unroll=1):
+            m_min, m_max = self._m_block_range(lower, bounds.seqlen_q, bounds.seqlen_k, window_left, window_right)
+            if const_expr(self.masked):
+                m_min = mMaskRange[batch, kv_head, lower, 0]
+                m_max = mMaskRange[batch, kv_head, lower, 1]
+            if m_min <= m_block and m_block < m_max:
+                turn += 1
+        return turn
 
     @cute.jit
     def _store_dkv(self, acc_dK, acc_dV, softmax_scale, mma_dkv, sK, sV, tma_dK, tma_dV,
@@ -801,7 +870,7 @@ def build(spec: KernelSpec):
     dtype, head_dim = _DTYPES[spec["dtype"]], spec["head_dim"]
     tile_m, tile_n = spec["tile"]
     kernel = FlashBwdSm90(dtype, head_dim, spec["causal"], tile_m, tile_n, spec["stages"], spec["local"],
-                          spec["softcap"], spec["rows"], spec["attn_mask"])
+                          spec["softcap"], spec["rows"], spec["attn_mask"], spec.get("deterministic", False))
     bhs = lambda: cute.runtime.make_fake_tensor(
         Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
         stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
@@ -820,6 +889,9 @@ def build(spec: KernelSpec):
         bhs(),  # lse
         bshd(), bshd(), bshd(),  # dq, dk, dv
         padded_stat(), padded_stat(), dq_accum,
+        cute.runtime.make_fake_compact_tensor(  # dQ add order (deterministic variants; else unread)
+            Int32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
+            stride_order=(3, 2, 1, 0), assumed_align=4),
         cu_seqlens(), cu_seqlens(), Int32(0), Int32(0),  # row bounds (common.seqlen), max_seqlen (q, k)
         *mask_fakes(spec["attn_mask"], dtype),
         Float32(1.0), Int32(0), Int32(0), Float32(1.0),
