@@ -116,7 +116,9 @@ class Sm90Gemm:
         # a ring of swizzled smem subtiles (stmatrix) and TMA stores
         self.direct_store = out_dtype.width == 32
         self.epi_tile = (64 * self.tile_wgs, 32)
-        self.epi_stages = 4
+        # ping-pong keeps a ring per warpgroup: three subtiles each leave room for a fifth A/B
+        # stage at 128 x 192 (QuACK's default tile and depth)
+        self.epi_stages = 3 if config.pingpong else 4
         self.ab_stages = self._ab_stages()
 
     def _ab_stages(self) -> int:
