@@ -47,10 +47,8 @@ from functools import partial
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ...runtime.attention import DQ_BLOCK_ROWS as _DQ_BLOCK_ROWS
 from ...runtime.attention import STAT_PAD as _STAT_PAD
@@ -58,6 +56,9 @@ from ...runtime.spec import KernelSpec
 from ..common.flash_common import (
     BLOCK_FULL, LOG2_E, acc_as_rows_cols, apply_attn_mask, apply_softcap, convert_to_16bit, mask_scores,
     tiled_wgmma, transposed_view,
+)
+from ..common.bulk import (
+    add_release_gpu, bulk_reduce_add_f32, fence_proxy_async_global, load_acquire_gpu, nanosleep,
 )
 from ..common.mask_args import mask_fakes
 from ..common.seqlen import SeqBounds, store_rows
@@ -91,50 +92,6 @@ def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None,
     atom = warpgroup.make_smem_layout_atom(kind, dtype)
     shape = (rows, cols) if stages is None else (rows, cols, stages)
     return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
-
-
-@dsl_user_op
-def _bulk_reduce_add_f32(dst: Int64, src: Int32, num_bytes: int, *, loc=None, ip=None) -> None:
-    """``num_bytes`` of fp32 from shared (``src``) added into global memory (``dst``), one
-    asynchronous bulk operation of the issuing thread's bulk group."""
-    llvm.inline_asm(
-        None,
-        [Int64(dst).ir_value(loc=loc, ip=ip), Int32(src).ir_value(loc=loc, ip=ip),
-         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
-        "l,r,r,~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def _load_acquire_gpu(addr: Int64, *, loc=None, ip=None) -> Int32:
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _add_release_gpu(addr: Int64, value: Int32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
-        "red.release.gpu.global.add.s32 [$0], $1;", "l,r,~{memory}",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def _nanosleep(ns: int, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(None, [], f"nanosleep.u32 {ns};", "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def _fence_proxy_async_global(*, loc=None, ip=None) -> None:
-    """Orders this thread's generic-proxy global accesses with its bulk (async-proxy) ones."""
-    llvm.inline_asm(None, [], "fence.proxy.async.global;", "~{memory}", has_side_effects=True,
-                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @cute.jit
@@ -779,16 +736,16 @@ class FlashBwdSm90:
             if cute.arch.lane_idx() == 0:
                 if const_expr(self.deterministic):
                     count = (mDqOrder.iterator + cute.crd2idx(tile_idx, mDqOrder.layout)).toint()
-                    while _load_acquire_gpu(count) != turn:
-                        _nanosleep(32)
-                    _fence_proxy_async_global()
-                _bulk_reduce_add_f32(dst, src, self.dq_chunk * Float32.width // 8)
+                    while load_acquire_gpu(count) != turn:
+                        nanosleep(32)
+                    fence_proxy_async_global()
+                bulk_reduce_add_f32(dst, src, self.dq_chunk * Float32.width // 8)
                 cute.arch.cp_async_bulk_commit_group()
                 if const_expr(self.deterministic):
                     # the add must be performed before the next key block's may start
                     cute.arch.cp_async_bulk_wait_group(0)
-                    _fence_proxy_async_global()
-                    _add_release_gpu(count, Int32(1))
+                    fence_proxy_async_global()
+                    add_release_gpu(count, Int32(1))
                 elif block + 1 < num_blocks:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
             if block + 1 < num_blocks:
