@@ -94,15 +94,6 @@ def _mark_without_dynamo(fn):
         sys.modules["torch._dynamo"] = saved
 
 
-@pytest.fixture
-def deterministic():
-    """torch.use_deterministic_algorithms(True[, warn_only]) for one test, restored after."""
-    was, was_warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    yield lambda warn_only=False: torch.use_deterministic_algorithms(True, warn_only=warn_only)
-    torch.use_deterministic_algorithms(was, warn_only=was_warn_only)
-    fallback._warned_nondeterministic.clear()
-
-
 def test_nondeterministic_kernels_follow_torchs_deterministic_mode(deterministic, caplog):
     """Off: the kernels run. On: a reason (the op falls back, counted). warn_only: one warning
     per op and the kernel runs, as PyTorch's own nondeterministic ops do."""

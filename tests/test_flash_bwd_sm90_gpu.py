@@ -138,7 +138,7 @@ def test_flash_bwd_matches_fp32_reference(case):
         assert ours[0][:, : seqlen_q - seqlen_k].abs().max().item() == 0.0
 
 
-def test_deterministic_mode_gives_bitwise_reproducible_gradients(monkeypatch):
+def test_deterministic_mode_gives_bitwise_reproducible_gradients(monkeypatch, deterministic):
     """torch.use_deterministic_algorithms(True): the backward leaves the kernel (whose dQ sums key
     blocks in a varying order) for the reference path, counted: two runs give identical bytes.
     warn_only=True keeps the kernel, as PyTorch's own nondeterministic ops do."""
@@ -151,20 +151,15 @@ def test_deterministic_mode_gives_bitwise_reproducible_gradients(monkeypatch):
     q, k, v = (torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     dout = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
-    was, was_warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    try:
-        torch.use_deterministic_algorithms(True)
-        fallback.reset()
-        runs = [torch.autograd.grad(tco.flash_attn_func(q, k, v, causal=True), (q, k, v), dout) for _ in range(2)]
-        for first, second in zip(*runs):
-            assert torch.equal(first.view(torch.int16), second.view(torch.int16))
-        assert [op for (op, _) in fallback.counts()] == ["flash_attn_bwd"]
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        fallback.reset()
-        grads = torch.autograd.grad(tco.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
-        assert not fallback.counts()
-        for ours, ref in zip(grads, runs[0]):
-            assert _rel_err(ours, ref) < 2e-2
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=was_warn_only)
-        fallback._warned_nondeterministic.clear()
+    deterministic()
+    fallback.reset()
+    runs = [torch.autograd.grad(tco.flash_attn_func(q, k, v, causal=True), (q, k, v), dout) for _ in range(2)]
+    for first, second in zip(*runs):
+        assert torch.equal(first.view(torch.int16), second.view(torch.int16))
+    assert [op for (op, _) in fallback.counts()] == ["flash_attn_bwd"]
+    deterministic(warn_only=True)
+    fallback.reset()
+    grads = torch.autograd.grad(tco.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    assert not fallback.counts()
+    for ours, ref in zip(grads, runs[0]):
+        assert _rel_err(ours, ref) < 2e-2
