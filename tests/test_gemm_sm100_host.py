@@ -89,7 +89,7 @@ def test_schedule_covers_every_output_tile_once(config, m, n, batch):
 
 
 def test_specs_round_trip_and_register():
-    torch_dtypes = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    torch_dtypes = {name: dtype for dtype, name in gemm_runtime.DTYPE_NAMES.items()}
     for spec in sm100_gemm.shipped():
         config = GemmConfig.from_spec_params(spec)
         activation = None if spec["act"] == "none" else spec["act"]

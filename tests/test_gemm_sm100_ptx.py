@@ -16,7 +16,7 @@ import cutlass.cute as cute  # noqa: E402
 from torch_cute_ops.kernels import COMPILE_OPTIONS  # noqa: E402
 from torch_cute_ops.kernels.sm100 import gemm as sm100_gemm  # noqa: E402
 from torch_cute_ops.runtime.gemm import SM100 as sm100_host  # noqa: E402
-from torch_cute_ops.runtime.gemm import scaled_spec  # noqa: E402
+from torch_cute_ops.runtime.gemm import DTYPE_NAMES, scaled_spec  # noqa: E402
 from torch_cute_ops.runtime.gemm_config import GemmConfig  # noqa: E402
 
 SHIPPED = sm100_host.shipped()
@@ -32,8 +32,7 @@ def _compile(spec, dump_dir):
     return compiled, jit_fn.__self__, ptx_files[0].read_text()
 
 
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-                 "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 def _check_call_contract(compiled, spec):
