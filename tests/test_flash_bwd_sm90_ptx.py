@@ -73,12 +73,14 @@ def test_deterministic_variant_orders_the_dq_adds(tmp_path):
 
 def test_deterministic_plan_allocates_the_add_counts(monkeypatch):
     """plan_bwd(deterministic=True) picks the ordered variant, whose launch hands the kernel one
-    zeroed int32 per dQ accumulator tile; the default plan hands a placeholder."""
+    zeroed int32 per dQ accumulator tile; the default plan hands a placeholder of the same rank
+    (the compiled signature checks ranks: a 1-D placeholder fails every default launch)."""
     import torch
 
     calls = []
     monkeypatch.setattr(flash_host, "get_compiled", lambda spec: lambda *args: calls.append((spec, args)))
-    monkeypatch.setattr(flash_host, "_unused_counter", lambda index: "placeholder")
+    placeholder = torch.empty(1, dtype=torch.int32)
+    monkeypatch.setattr(flash_host, "_unused_counter", lambda index: placeholder)
     monkeypatch.setattr(flash_host, "_mask_placeholders", lambda index: ("mask", "blocks", "ranges"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     q = torch.randn(2, 300, 4, 128).bfloat16()
@@ -93,4 +95,5 @@ def test_deterministic_plan_allocates_the_add_counts(monkeypatch):
             assert order.dtype == torch.int32 and tuple(order.shape) == tuple(dq_accum.shape[:4])
             assert not order.any()
         else:
-            assert order == "placeholder"
+            assert order.dim() == 4 and order.numel() == 1
+            assert order.untyped_storage().data_ptr() == placeholder.untyped_storage().data_ptr()

@@ -142,7 +142,7 @@ DQ_BLOCK_ROWS = 64  # the backward's query tile (every head dim): the dQ accumul
 def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False,
              softcap: bool = False, rows: str = "dense", attn_mask: str = "none",
              deterministic: bool = False) -> KernelSpec:
-    """``deterministic``: dQ's key blocks added in key order (bitwise reproducible dQ)."""
+    """``deterministic``: dQ added in a fixed key-block order (bitwise reproducible dQ)."""
     tile_m, tile_n, num_stages = BWD_TILES[head_dim]
     extra = {"deterministic": True} if deterministic else {}
     return KernelSpec.make(BWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
@@ -595,8 +595,8 @@ class FlashBwdLaunch:
     def _dq_order(self, dq_accum: torch.Tensor) -> torch.Tensor:
         """Deterministic variants: one zeroed int32 per dQ accumulator tile, the count of key
         blocks added to it so far (the next one waits for its turn); else a placeholder."""
-        if not self.deterministic:
-            return _unused_counter(self.device_index)
+        if not self.deterministic:  # the compiled signature is 4-D either way
+            return _unused_counter(self.device_index).view(1, 1, 1, 1)
         return torch.zeros(dq_accum.shape[:4], dtype=torch.int32, device=dq_accum.device)
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, window_left: int = 0,

@@ -32,9 +32,13 @@ Determinism: dK and dV are deterministic (a CTA owns its key block and loops ove
 query heads of its kv head in a fixed order, so GQA needs no atomics). dQ is summed by
 bulk reduce-adds from the CTAs of different key blocks, whose order is not fixed: dQ is
 not bitwise reproducible run to run (fp32 sums, then rounded to bf16/fp16). The
-``deterministic`` variants fix the order: a writer adds its tile only once every lower key
+``deterministic`` variants fix the order: a writer adds its tile only once every higher key
 block that visits the tile has added its own (an int32 count per accumulator tile, acquired
-and released at GPU scope); CTAs launch in key-block order, so the waits always end.
+and released at GPU scope). Their grid runs the key blocks backwards (CTA x takes key block
+N - 1 - x): a CTA only waits on CTAs launched before it, so the waits always end, and under a
+causal mask a key block reaches each query block after the higher blocks (which start on the
+diagonal, later in the sequence) have added theirs: in key order, the first key block would
+hold every other one back by its whole loop.
 Extra memory: delta and lse * log2(e) (2 x B*H*S_q fp32, padded) and the dQ accumulator
 (B*S_q*H*D fp32, S_q padded to whole query blocks; zeroed by the host).
 """
@@ -130,7 +134,7 @@ class FlashBwdSm90:
         # PyTorch's attn_mask ("bool" or "add"itive), read in the blocks its summary says partial
         self.attn_mask = attn_mask
         self.masked = attn_mask != "none"
-        self.deterministic = deterministic  # dQ's key blocks added in key order (see the docstring)
+        self.deterministic = deterministic  # dQ added in a fixed key-block order (see the docstring)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_stages = num_stages
@@ -382,6 +386,8 @@ class FlashBwdSm90:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, kv_head, batch = cute.arch.block_idx()
+        if const_expr(self.deterministic):  # key blocks backwards (see the module docstring)
+            n_block = cute.arch.grid_dim()[0] - 1 - n_block
         if warp_idx == 0:
             for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_LSE, tma_Delta):
                 cpasync.prefetch_descriptor(atom)
@@ -715,7 +721,7 @@ class FlashBwdSm90:
                   bounds: SeqBounds, window_left, window_right, mMaskRange):
         """Writer warp of MMA warpgroup ``wg``: adds each of its dQ tiles to the fp32
         accumulator with one 1-D bulk reduce-add, off the warpgroup's critical path
-        (deterministic variants: in key-block order, see :meth:`_dq_turn`)."""
+        (deterministic variants: from the last key block down, see :meth:`_dq_turn`)."""
         src = sdQ[None, wg].iterator.toint()
         num_m = m_block_max - m_block_min
         num_blocks = group * num_m
@@ -757,20 +763,26 @@ class FlashBwdSm90:
     @cute.jit
     def _dq_turn(self, n_block, m_block, kv_head, batch, bounds: SeqBounds, window_left, window_right,
                  mMaskRange) -> Int32:
-        """How many lower key blocks visit query block ``m_block``: this key block's turn to add
-        to that dQ tile. Dense and causal: all of them (a lower block's first query block is no
-        later than this one's). Windows and masks: counted with the same query-block ranges the
-        CTAs loop over, so the count always comes."""
-        if const_expr(not self.local and not self.masked):
-            return Int32(n_block)
-        turn = Int32(0)
-        for lower in cutlass.range(n_block, unroll=1):
-            m_min, m_max = self._m_block_range(lower, bounds.seqlen_q, bounds.seqlen_k, window_left, window_right)
-            if const_expr(self.masked):
-                m_min = mMaskRange[batch, kv_head, lower, 0]
-                m_max = mMaskRange[batch, kv_head, lower, 1]
-            if m_min <= m_block and m_block < m_max:
-                turn += 1
+        """How many higher key blocks of this sequence visit query block ``m_block``: this key
+        block's turn to add to that dQ tile. Dense: all of them. Causal and windows: both ends of
+        :meth:`_m_block_range` grow with the key block, so the visitors of a query block are
+        one run of key blocks, whose last one has the last first-row before the query block's
+        end (a closed form: a loop over the key blocks would outlast the tile at long lengths).
+        Masks: counted with the ranges the CTAs loop over, so the count always comes."""
+        n_blocks = cute.ceil_div(bounds.seqlen_k, self.tile_n)
+        turn = n_blocks - 1 - n_block
+        if const_expr(self.masked):
+            turn = Int32(0)
+            for higher in cutlass.range(n_block + 1, n_blocks, unroll=1):
+                if mMaskRange[batch, kv_head, higher, 0] <= m_block and m_block < mMaskRange[batch, kv_head, higher, 1]:
+                    turn += 1
+        elif const_expr(self.causal or self.local):
+            # key block j visits m_block iff its first row j * tile_n - offset - right lies before
+            # the query block's end: j * tile_n < (m_block + 1) * tile_m + offset + right
+            right = Int32(0) if const_expr(self.causal) else window_right
+            end = (m_block + 1) * self.tile_m + bounds.seqlen_k - bounds.seqlen_q + right
+            visitors_end = cutlass.min(n_blocks, cute.ceil_div(cutlass.max(end, 0), self.tile_n))
+            turn = visitors_end - 1 - n_block
         return turn
 
     @cute.jit
