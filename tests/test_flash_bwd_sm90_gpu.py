@@ -138,26 +138,37 @@ def test_flash_bwd_matches_fp32_reference(case):
         assert ours[0][:, : seqlen_q - seqlen_k].abs().max().item() == 0.0
 
 
-@pytest.mark.parametrize("case", ["causal", "window", "varlen", "gqa-full"])
+@pytest.mark.parametrize("case", ["causal", "causal-short-q", "window", "window-both-sides", "varlen",
+                                  "gqa-full", "mask"])
 def test_deterministic_mode_gives_bitwise_reproducible_gradients(case):
     """torch.use_deterministic_algorithms(True) selects the ordered backward variant (dQ's key
-    blocks added in key order): on the kernels (no fallback), two runs give identical bytes, and the
-    gradients match the default variant's to the usual tolerance."""
+    blocks added from the last one down, each waiting for its turn): on the kernels (no
+    fallback), two runs give identical bytes, and the gradients match the default variant's to
+    the usual tolerance. The cases cover each way a turn is counted (dense, causal with either
+    length longer, windows, ragged lengths, a mask's block ranges)."""
     import torch_cute_ops as tco
     from torch_cute_ops.ops import fallback
 
     torch.manual_seed(0)
     heads_kv = 2 if case == "gqa-full" else 4
-    make = lambda heads: torch.randn(2, 1500, heads, 128, device="cuda", dtype=torch.bfloat16,  # noqa: E731
-                                     requires_grad=True)
-    q, k, v = make(4), make(heads_kv), make(heads_kv)
-    dout = torch.randn(2, 1500, 4, 128, device="cuda", dtype=torch.bfloat16)
+    seqlen_q = 700 if case == "causal-short-q" else 1500
+    make = lambda heads, seqlen: torch.randn(2, seqlen, heads, 128, device="cuda",  # noqa: E731
+                                             dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = make(4, seqlen_q), make(heads_kv, 1500), make(heads_kv, 1500)
+    dout = torch.randn(2, seqlen_q, 4, 128, device="cuda", dtype=torch.bfloat16)
     if case == "varlen":
         cu = torch.tensor([0, 700, 3000], dtype=torch.int32, device="cuda")
         call = lambda: tco.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu,  # noqa: E731
                                                   2300, 2300, causal=True).unflatten(0, (2, 1500))
+    elif case == "mask":  # a causal mask with a ragged band of holes: partial and empty blocks
+        keep = torch.ones(1500, 1500, dtype=torch.bool, device="cuda").tril()
+        keep[300:900, 100:400] = False
+        keep[:, 0] = True
+        call = lambda: tco.scaled_dot_product_attention(  # noqa: E731
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep).transpose(1, 2)
     else:
-        kwargs = {"causal": case != "gqa-full", "window_size": (300, 0) if case == "window" else (-1, -1)}
+        window = {"window": (300, 0), "window-both-sides": (200, 150)}.get(case, (-1, -1))
+        kwargs = {"causal": case in ("causal", "causal-short-q", "window"), "window_size": window}
         call = lambda: tco.flash_attn_func(q, k, v, **kwargs)  # noqa: E731
     default = torch.autograd.grad(call(), (q, k, v), dout)
     was, was_warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
