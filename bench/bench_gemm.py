@@ -138,15 +138,12 @@ def main():
 
 
 def parse_config(name):
-    """'pp128x192c2x1' -> GemmConfig(128, 192, 2, 1, pingpong=True); a '+sp' suffix sets
-    scale_prefetch (blockwise FP8 scales loaded a k-tile ahead)."""
+    """'pp128x192c2x1' -> GemmConfig(128, 192, 2, 1, pingpong=True)."""
     from torch_cute_ops.runtime.gemm_config import GemmConfig
 
     pingpong = name.startswith("pp")
-    name, _, flag = name.partition("+")
     tile, cluster = name.removeprefix("pp").split("c")
-    return GemmConfig(*map(int, tile.split("x")), *map(int, cluster.split("x")), pingpong=pingpong,
-                      scale_prefetch=flag == "sp")
+    return GemmConfig(*map(int, tile.split("x")), *map(int, cluster.split("x")), pingpong=pingpong)
 
 
 def host_overhead():

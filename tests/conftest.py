@@ -25,9 +25,6 @@ def _fresh_fallback_counts(monkeypatch):
 @pytest.fixture
 def deterministic():
     """torch.use_deterministic_algorithms(True[, warn_only]) for one test, restored after."""
-    from torch_cute_ops.ops import fallback
-
     was, was_warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     yield lambda warn_only=False: torch.use_deterministic_algorithms(True, warn_only=warn_only)
     torch.use_deterministic_algorithms(was, warn_only=was_warn_only)
-    fallback._warned_nondeterministic.clear()

@@ -138,28 +138,50 @@ def test_flash_bwd_matches_fp32_reference(case):
         assert ours[0][:, : seqlen_q - seqlen_k].abs().max().item() == 0.0
 
 
-def test_deterministic_mode_gives_bitwise_reproducible_gradients(monkeypatch, deterministic):
-    """torch.use_deterministic_algorithms(True): the backward leaves the kernel (whose dQ sums key
-    blocks in a varying order) for the reference path, counted: two runs give identical bytes.
-    warn_only=True keeps the kernel, as PyTorch's own nondeterministic ops do."""
+@pytest.mark.parametrize("case", ["causal", "causal-short-q", "window", "window-both-sides", "varlen",
+                                  "gqa-full", "mask"])
+def test_deterministic_mode_gives_bitwise_reproducible_gradients(case):
+    """torch.use_deterministic_algorithms(True) selects the ordered backward variant (dQ's key
+    blocks added from the last one down, each waiting for its turn): on the kernels (no
+    fallback), two runs give identical bytes, and the gradients match the default variant's to
+    the usual tolerance. The cases cover each way a turn is counted (dense, causal with either
+    length longer, windows, ragged lengths, a mask's block ranges)."""
     import torch_cute_ops as tco
-
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # PyTorch's condition for deterministic matmuls
     from torch_cute_ops.ops import fallback
 
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    dout = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
-    deterministic()
-    fallback.reset()
-    runs = [torch.autograd.grad(tco.flash_attn_func(q, k, v, causal=True), (q, k, v), dout) for _ in range(2)]
-    for first, second in zip(*runs):
-        assert torch.equal(first.view(torch.int16), second.view(torch.int16))
-    assert [op for (op, _) in fallback.counts()] == ["flash_attn_bwd"]
-    deterministic(warn_only=True)
-    fallback.reset()
-    grads = torch.autograd.grad(tco.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
-    assert not fallback.counts()
-    for ours, ref in zip(grads, runs[0]):
-        assert _rel_err(ours, ref) < 2e-2
+    heads_kv = 2 if case == "gqa-full" else 4
+    seqlen_q = 700 if case == "causal-short-q" else 1500
+    make = lambda heads, seqlen: torch.randn(2, seqlen, heads, 128, device="cuda",  # noqa: E731
+                                             dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = make(4, seqlen_q), make(heads_kv, 1500), make(heads_kv, 1500)
+    dout = torch.randn(2, seqlen_q, 4, 128, device="cuda", dtype=torch.bfloat16)
+    if case == "varlen":
+        cu = torch.tensor([0, 700, 3000], dtype=torch.int32, device="cuda")
+        call = lambda: tco.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu,  # noqa: E731
+                                                  2300, 2300, causal=True).unflatten(0, (2, 1500))
+    elif case == "mask":  # a causal mask with a ragged band of holes: partial and empty blocks
+        keep = torch.ones(1500, 1500, dtype=torch.bool, device="cuda").tril()
+        keep[300:900, 100:400] = False
+        keep[:, 0] = True
+        call = lambda: tco.scaled_dot_product_attention(  # noqa: E731
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep).transpose(1, 2)
+    else:
+        window = {"window": (300, 0), "window-both-sides": (200, 150)}.get(case, (-1, -1))
+        kwargs = {"causal": case in ("causal", "causal-short-q", "window"), "window_size": window}
+        call = lambda: tco.flash_attn_func(q, k, v, **kwargs)  # noqa: E731
+    default = torch.autograd.grad(call(), (q, k, v), dout)
+    was, was_warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        fallback.reset()
+        runs = [torch.autograd.grad(call(), (q, k, v), dout) for _ in range(3)]
+        assert not fallback.counts(), fallback.counts()
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn_only)
+    for grads in runs[1:]:
+        for first, again in zip(runs[0], grads):
+            assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+    for ours, ref in zip(runs[0], default):
+        assert not ours.isnan().any()
+        assert _rel_err(ours, ref.float()) < 1e-2

@@ -40,7 +40,10 @@ def test_ptx_is_warp_specialized_wgmma_with_tma(spec_args, tmp_path):
                       + 2 * tile_m // 16)
     assert ptx.count("wgmma.mma_async") == expected_wgmma
     assert "cp.async.bulk.tensor" in ptx  # TMA loads/stores
-    assert "cp.reduce.async.bulk.tensor" in ptx  # dQ reduce-add
+    # dQ: each warpgroup's tile stored in accumulator order (16-byte vectors) and added with one
+    # 1-D bulk reduce-add
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
+    assert "st.shared.v4.b32" in ptx
     assert ptx.count("setmaxnreg") == 2  # producer down, MMA warpgroups up
     assert "stmatrix" in ptx
     if shutil.which("ptxas"):  # SASS-level checks where the toolkit is installed
@@ -56,3 +59,41 @@ def test_family_registered_and_shipped():
     assert specs and all(s.family == "flash_bwd_sm90" for s in specs)
     assert not shipped_specs("sm_100a", "flash_bwd_sm90")
     assert os.environ.get("CUTE_DSL_ARCH") == "sm_90a"
+
+
+def test_deterministic_variant_orders_the_dq_adds(tmp_path):
+    """deterministic: the writer waits for its turn (acquire loads of the tile's add count), waits
+    for its bulk add to be performed, and releases the count; the default variant does none of it."""
+    ordered = _ptx(flash_host.bwd_spec("bf16", 128, True, deterministic=True), tmp_path / "ordered")
+    plain = _ptx(flash_host.bwd_spec("bf16", 128, True), tmp_path / "plain")
+    assert "ld.acquire.gpu.global.b32" in ordered and "red.release.gpu.global.add.s32" in ordered
+    assert "fence.proxy.async.global" in ordered
+    assert "ld.acquire.gpu" not in plain and "red.release.gpu" not in plain
+
+
+def test_deterministic_plan_allocates_the_add_counts(monkeypatch):
+    """plan_bwd(deterministic=True) picks the ordered variant, whose launch hands the kernel one
+    zeroed int32 per dQ accumulator tile; the default plan hands a placeholder of the same rank
+    (the compiled signature checks ranks: a 1-D placeholder fails every default launch)."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(flash_host, "get_compiled", lambda spec: lambda *args: calls.append((spec, args)))
+    placeholder = torch.empty(1, dtype=torch.int32)
+    monkeypatch.setattr(flash_host, "_unused_counter", lambda index: placeholder)
+    monkeypatch.setattr(flash_host, "_mask_placeholders", lambda index: ("mask", "blocks", "ranges"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    q = torch.randn(2, 300, 4, 128).bfloat16()
+    grads = [torch.empty_like(q) for _ in range(3)]
+    for deterministic in (True, False):
+        plan = flash_host.plan_bwd(q, q, q, True, deterministic=deterministic)
+        plan(q, q, q, q, q, torch.zeros(2, 4, 300), *grads, 0.1)
+        spec, args = calls[-1]
+        assert spec.get("deterministic", False) == deterministic
+        dq_accum, order = args[11], args[12]
+        if deterministic:
+            assert order.dtype == torch.int32 and tuple(order.shape) == tuple(dq_accum.shape[:4])
+            assert not order.any()
+        else:
+            assert order.dim() == 4 and order.numel() == 1
+            assert order.untyped_storage().data_ptr() == placeholder.untyped_storage().data_ptr()

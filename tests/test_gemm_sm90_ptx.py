@@ -57,19 +57,17 @@ FP8_CASES = [  # (scale mode, a, b, out, bias dtype, activation, tile)
     ("row", torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.bfloat16, "gelu_tanh", GemmConfig(128, 256, 2, 1)),
     ("block", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, None, None, GemmConfig(128, 128, 2, 1)),
     ("block", torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.float32, None, GemmConfig(64, 128)),
-    ("block", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, None, None,
-     GemmConfig(128, 128, 2, 1, scale_prefetch=True)),
 ]
 
 
 @pytest.mark.parametrize("case", FP8_CASES,
-                         ids=lambda c: f"{c[0]}-{c[6].tile_m}x{c[6].tile_n}{'-prefetch' if c[6].scale_prefetch else ''}")
+                         ids=lambda c: f"{c[0]}-{c[6].tile_m}x{c[6].tile_n}")
 def test_fp8_ptx(case, tmp_path):
     """FP8 variants: e4m3/e5m2 WGMMA over 128-wide k-tiles (k32 instructions, 4 per k-tile and
     warpgroup batch), no spills; the scales are read from global memory a fixed number of times
     per thread: once in the epilogue for per-tensor / rowwise ones (2 values per row-pair, one
-    per column), once per k-tile for blockwise ones (2 rows of A, one B block; with
-    scale_prefetch also once before the loop, for the first k-tile)."""
+    per column), once per k-tile for blockwise ones (2 rows of A, one B block) and once more
+    before the loop (each k-tile's are loaded a k-tile ahead)."""
     from torch_cute_ops.runtime.gemm import scaled_spec
 
     mode, a_dtype, b_dtype, out_dtype, bias_dtype, activation, config = case
@@ -82,7 +80,7 @@ def test_fp8_ptx(case, tmp_path):
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
     scale_loads = len(re.findall(r"ld\.global(?:\.nc)?\.b32", ptx))
     columns_per_thread = config.tile_n // 4
-    expected = {"tensor": 2, "row": 2 + columns_per_thread, "block": 6 if config.scale_prefetch else 3}[mode]
+    expected = {"tensor": 2, "row": 2 + columns_per_thread, "block": 6}[mode]
     if bias_dtype == torch.float32:
         expected += columns_per_thread
     assert scale_loads == expected, (scale_loads, expected)
@@ -104,10 +102,6 @@ def test_fp8_spec_needs_k_major_and_scales():
     # blockwise scales keep two accumulators: tiles narrow to 128 columns, never ping-pong
     assert block_scaled_config(GemmConfig(128, 256, 2, 1)) == GemmConfig(128, 128, 2, 1)
     assert block_scaled_config(GemmConfig(128, 128, pingpong=True)) == GemmConfig(128, 128)
-    prefetch = GemmConfig(128, 256, 2, 1, scale_prefetch=True)
-    assert block_scaled_config(prefetch) == GemmConfig(128, 128, 2, 1, scale_prefetch=True)
-    assert GemmConfig.from_spec_params(prefetch.spec_params()) == prefetch
-    assert "scale_prefetch" not in GemmConfig(128, 256).spec_params()  # existing variants keep their keys
 
 
 @pytest.mark.parametrize("mode,shape,expect_tile", [

@@ -109,15 +109,12 @@ def test_blockwise_small_k_tile_counts(k):
 
 @pytest.mark.parametrize("k", [128, 256, 640, 16384])
 @pytest.mark.parametrize("m,n", [(300, 200), (4096, 1024)])
-def test_blockwise_scale_prefetch_variant(m, n, k):
-    """The variant that loads each k-tile's scales a k-tile ahead (GemmConfig.scale_prefetch):
-    one k-tile (only the prologue's loads), a few, and many; one tile per CTA and several
-    (4096 x 1024: 256 tiles on the persistent grid)."""
-    from torch_cute_ops.runtime.gemm_config import GemmConfig
-
+def test_blockwise_scales_loaded_a_k_tile_ahead(m, n, k):
+    """Each k-tile's scales are loaded a k-tile ahead: one k-tile (only the prologue's loads),
+    a few, and many; one tile per CTA and several (4096 x 1024: 256 tiles on the persistent
+    grid)."""
     a, b, sa, sb = operands("block", m, n, k)
-    out = run_kernel(a, b, sa, sb, "block", out_dtype=torch.float32,
-                     config=GemmConfig(128, 128, 2, 1, scale_prefetch=True))
+    out = run_kernel(a, b, sa, sb, "block", out_dtype=torch.float32)
     check(out, reference(a, b, sa, sb, "block"))
 
 

@@ -129,27 +129,27 @@ def _dense_attention_strategies(args, tensor_dims: dict, outputs: list, mask_ind
 
 
 @register_sharding(cute.flash_attn_fwd.default)
-def _flash_attn_fwd_sharding(*args):
+def _flash_attn_fwd_sharding(*args, **kwargs):  # kwargs: deterministic
     dims = {0: (0, 2), 1: (0, 2), 2: (0, 2), 8: (0, None), 9: (0, None)}  # q, k, v, key_start, key_end
     return _dense_attention_strategies(args, dims, [(0, 2), (0, 1)], mask_index=10)
 
 
 @register_sharding(cute.flash_attn_bwd.default)
-def _flash_attn_bwd_sharding(*args):
+def _flash_attn_bwd_sharding(*args, **kwargs):
     # (dout, q, k, v, out, lse, scale, causal, window_left, window_right, softcap, key_start, key_end, attn_mask)
     dims = {0: (0, 2), 1: (0, 2), 2: (0, 2), 3: (0, 2), 4: (0, 2), 5: (0, 1), 11: (0, None), 12: (0, None)}
     return _dense_attention_strategies(args, dims, [(0, 2), (0, 2), (0, 2)], mask_index=13)
 
 
 @register_sharding(cute.flash_attn_varlen_fwd.default)
-def _flash_attn_varlen_fwd_sharding(*args):
+def _flash_attn_varlen_fwd_sharding(*args, **kwargs):
     # q, k, v (total, H, D), cu_seqlens replicated; out (total, H, D), lse (H, total)
     heads = ([Shard(1), Shard(0)], _placements(args, {0: Shard(1), 1: Shard(1), 2: Shard(1)}))
     return [_all_replicated(args, 2), heads]
 
 
 @register_sharding(cute.flash_attn_varlen_bwd.default)
-def _flash_attn_varlen_bwd_sharding(*args):
+def _flash_attn_varlen_bwd_sharding(*args, **kwargs):
     # dout, q, k, v, out (total, H, D), lse (H, total), cu_seqlens replicated
     chosen = {i: Shard(1) for i in range(5)}
     chosen[5] = Shard(0)

@@ -62,7 +62,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     return_lse: bool = False, *, key_start: torch.Tensor | None = None,
-                    key_end: torch.Tensor | None = None):
+                    key_end: torch.Tensor | None = None, deterministic: bool = False):
     """Attention over (batch, seqlen, heads, head_dim) tensors, FlashAttention's API.
 
     GQA/MQA when k and v have fewer heads than q. ``causal`` is aligned bottom-right when
@@ -74,6 +74,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     ``key_start``/``key_end`` (an extension; int32, shape (batch,)) make a padded batch: entry b's
     real keys are ``key_start[b] <= j < key_end[b]``, its queries aligned with the keys
     bottom-right; query rows outside the range give 0 (padding on either side, no copies).
+
+    ``deterministic=True`` makes the backward's dQ bitwise reproducible run to run (its key
+    blocks added in a fixed order, at some cost; dK and dV always are), as
+    ``torch.use_deterministic_algorithms(True)`` does for every call.
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -84,14 +88,15 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     if dispatcher_free(q, k, v, key_start, key_end):
         out, lse = _attention.flash_attn_fwd_impl(*args)
     else:
-        out, lse = torch.ops.cute.flash_attn_fwd(*args)
+        out, lse = torch.ops.cute.flash_attn_fwd(*args, deterministic=bool(deterministic))
     return (out, lse) if return_lse else out
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                            softmax_scale: float | None = None, causal: bool = False,
-                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False):
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False,
+                           *, deterministic: bool = False):
     """Attention over packed sequences, FlashAttention's varlen API.
 
     q is (total_q, heads, head_dim), k and v (total_k, kv_heads, head_dim); sequence ``b`` owns
@@ -99,7 +104,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     attended on its own: ``causal`` and ``window_size`` align per sequence exactly as in
     :func:`flash_attn_func`, lengths may be 0 and may differ between q and k. ``max_seqlen_q`` /
     ``max_seqlen_k`` are at least the longest lengths. With ``return_lse`` also returns the
-    float32 log-sum-exp, shape (heads, total_q).
+    float32 log-sum-exp, shape (heads, total_q). ``deterministic`` as in :func:`flash_attn_func`.
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -109,7 +114,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     if dispatcher_free(q, k, v, cu_seqlens_q, cu_seqlens_k):
         out, lse = _attention_varlen.flash_attn_varlen_fwd_impl(*args)
     else:
-        out, lse = torch.ops.cute.flash_attn_varlen_fwd(*args)
+        out, lse = torch.ops.cute.flash_attn_varlen_fwd(*args, deterministic=bool(deterministic))
     return (out, lse) if return_lse else out
 
 

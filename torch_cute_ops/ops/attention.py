@@ -147,7 +147,8 @@ def _optional_key(t):
 
 
 def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0,
-                        key_start=None, key_end=None, attn_mask=None):
+                        key_start=None, key_end=None, attn_mask=None, *, deterministic=False):
+    # ``deterministic`` selects the backward's variant only (autograd carries it there)
     if q.dim() != 4 or k.dim() != 4:
         _validate_qkv(q, k, v)  # the named error
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
@@ -182,7 +183,7 @@ register_impl("flash_attn_fwd", flash_attn_fwd_impl)
 
 @torch.library.register_fake(qualname("flash_attn_fwd"), lib=lib)
 def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0,
-                         key_start=None, key_end=None, attn_mask=None):
+                         key_start=None, key_end=None, attn_mask=None, *, deterministic=False):
     _validate_qkv(q, k, v)
     _validate_softcap(softcap)
     _validate_key_range(q, key_start, key_end)
@@ -190,8 +191,9 @@ def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal, window_left=None, windo
     return _fwd_outputs_like(q)
 
 
-def _fwd_setup_context(ctx, inputs, output):
+def _fwd_setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, v, softmax_scale, causal, *rest = inputs
+    ctx.deterministic = keyword_only_inputs["deterministic"]
     band, extras = tuple(rest[:3]), tuple(rest[3:])  # extras: key_start, key_end, attn_mask as given
     out, lse = output
     ctx.softmax_scale, ctx.causal, ctx.band = softmax_scale, causal, band
@@ -203,7 +205,7 @@ def _fwd_setup_context(ctx, inputs, output):
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse, *extras = ctx.saved_tensors
     dq, dk, dv = torch.ops.cute.flash_attn_bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, *ctx.band,
-                                               *extras)
+                                               *extras, deterministic=ctx.deterministic)
     return (dq, dk, dv, None, None) + (None,) * (len(ctx.band) + ctx.num_extras)
 
 
@@ -242,12 +244,13 @@ def _make_bwd_plan(key, dout, q, k, v, out, lse, causal, local, softcap, key_sta
             tma_reason("dout", dout, (3,), check_pointer=False)
             or tma_reason("out", out, (3,), check_pointer=False)
             or _masked_reason(causal, local, softcap, key_start, attn_mask)
-            or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows=rows, attn_mask=host.mask_kind(attn_mask)))
+            or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows=rows, attn_mask=host.mask_kind(attn_mask),
+                             deterministic=key[-1]))
     return _remember(_bwd_plans, key, plan)
 
 
 def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=None, window_right=None,
-                    softcap=0.0, key_start=None, key_end=None, attn_mask=None):
+                    softcap=0.0, key_start=None, key_end=None, attn_mask=None, *, deterministic=False):
     # the backward's autograd hands over whatever layout the loss produced
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     if q.dim() != 4 or k.dim() != 4:
@@ -255,12 +258,12 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
     key = (*_qkv_key(q, k, v), dout.shape, dout.stride(), dout.dtype, out.shape, out.stride(), out.dtype,
            lse.shape, lse.dtype, lse.device, band_causal, local, softcap != 0.0,
-           _optional_key(key_start), _optional_key(key_end), _optional_key(attn_mask))
+           _optional_key(key_start), _optional_key(key_end), _optional_key(attn_mask),
+           deterministic or torch.are_deterministic_algorithms_enabled())
     plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, band_causal, local, softcap,
                                                  key_start, key_end, attn_mask)
     if not isinstance(plan, str):
-        reason = (fallback.nondeterministic_reason("flash_attn_bwd")
-                  or pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
+        reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
             dq, dk, dv = empty_grads(q, k, v)
             if key_start is not None:
@@ -283,7 +286,7 @@ register_impl("flash_attn_bwd", _flash_attn_bwd)
 
 @torch.library.register_fake(qualname("flash_attn_bwd"), lib=lib)
 def _flash_attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left=None, window_right=None,
-                         softcap=0.0, key_start=None, key_end=None, attn_mask=None):
+                         softcap=0.0, key_start=None, key_end=None, attn_mask=None, *, deterministic=False):
     _validate_bwd(dout, q, k, v, out, lse)
     _validate_softcap(softcap)
     _validate_key_range(q, key_start, key_end)

@@ -109,7 +109,8 @@ def _make_fwd_plan(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 
 def flash_attn_varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                               causal, window_left=None, window_right=None, softcap=0.0):
+                               causal, window_left=None, window_right=None, softcap=0.0, *, deterministic=False):
+    # ``deterministic`` selects the backward's variant only (autograd carries it there)
     if q.dim() != 3 or k.dim() != 3 or min(max_seqlen_q, max_seqlen_k) < 0:
         _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)  # the named error
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, max_seqlen_q, max_seqlen_k)
@@ -140,14 +141,15 @@ register_impl("flash_attn_varlen_fwd", flash_attn_varlen_fwd_impl)
 
 @torch.library.register_fake(qualname("flash_attn_varlen_fwd"), lib=lib)
 def _flash_attn_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                causal, window_left=None, window_right=None, softcap=0.0):
+                                causal, window_left=None, window_right=None, softcap=0.0, *, deterministic=False):
     _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _validate_softcap(softcap)
     return _fwd_outputs_like(q)
 
 
-def _fwd_setup_context(ctx, inputs, output):
+def _fwd_setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, *band = inputs
+    ctx.deterministic = keyword_only_inputs["deterministic"]
     out, lse = output
     ctx.max_seqlens, ctx.softmax_scale, ctx.causal, ctx.band = (max_q, max_k), softmax_scale, causal, tuple(band)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
@@ -157,7 +159,8 @@ def _fwd_setup_context(ctx, inputs, output):
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = torch.ops.cute.flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.max_seqlens,
-                                                      ctx.softmax_scale, ctx.causal, *ctx.band)
+                                                      ctx.softmax_scale, ctx.causal, *ctx.band,
+                                                      deterministic=ctx.deterministic)
     return (dq, dk, dv) + (None,) * (6 + len(ctx.band))
 
 
@@ -192,22 +195,23 @@ def _make_bwd_plan(key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max
         plan = host if isinstance(host, str) else (
             tma_reason("dout", dout, (2,), check_pointer=False)
             or tma_reason("out", out, (2,), check_pointer=False)
-            or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows="packed"))
+            or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows="packed", deterministic=key[-1]))
     return _remember(_bwd_plans, key, plan)
 
 
 def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale, causal, window_left=None, window_right=None, softcap=0.0):
+                           softmax_scale, causal, window_left=None, window_right=None, softcap=0.0, *,
+                           deterministic=False):
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     if q.dim() != 3 or k.dim() != 3 or min(max_seqlen_q, max_seqlen_k) < 0:
         _validate_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, max_seqlen_q, max_seqlen_k)
-    key = (*_layout_key(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap != 0.0)
+    key = (*_layout_key(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap != 0.0,
+           deterministic or torch.are_deterministic_algorithms_enabled())
     plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                  max_seqlen_q, max_seqlen_k, band_causal, local, softcap)
     if not isinstance(plan, str):
-        reason = (fallback.nondeterministic_reason("flash_attn_varlen_bwd")
-                  or pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)))
+        reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
             dq, dk, dv = empty_grads(q, k, v)
             plan.packed(dout, q, k, v, out, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
@@ -225,7 +229,8 @@ register_impl("flash_attn_varlen_bwd", _flash_attn_varlen_bwd)
 
 @torch.library.register_fake(qualname("flash_attn_varlen_bwd"), lib=lib)
 def _flash_attn_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                softmax_scale, causal, window_left=None, window_right=None, softcap=0.0):
+                                softmax_scale, causal, window_left=None, window_right=None, softcap=0.0, *,
+                                deterministic=False):
     _validate_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _validate_softcap(softcap)
     return tuple(t.new_empty(t.shape) for t in (q, k, v))

@@ -74,26 +74,3 @@ def counts() -> dict[tuple[str, str], int]:
 def reset() -> None:
     _counts.clear()
 
-
-_warned_nondeterministic: set[str] = set()
-
-
-def nondeterministic_reason(op: str) -> str | None:
-    """Why ``op``'s kernel may not run under ``torch.use_deterministic_algorithms(True)``, or None.
-
-    The attention backward kernels add each key block's dQ into an fp32 accumulator with
-    reduce-adds whose order varies run to run, so dQ is not bitwise reproducible (dK, dV are).
-    PyTorch's contract for such ops: an error, or with ``warn_only=True`` a warning and the
-    nondeterministic op. Here the deterministic request is honoured by the reference path (a
-    counted fallback, a reason the caller passes to :func:`note`); warn_only warns once and keeps
-    the kernel."""
-    if not torch.are_deterministic_algorithms_enabled():
-        return None
-    if torch.is_deterministic_algorithms_warn_only_enabled():
-        if op not in _warned_nondeterministic:
-            _warned_nondeterministic.add(op)
-            log.warning("torch_cute_ops.%s: the kernel's dQ is summed in a varying order (not bitwise "
-                        "reproducible); running it anyway (warn_only)", op)
-        return None
-    return ("torch.use_deterministic_algorithms(True): the kernel's dQ is summed in a varying order, "
-            "the reference path's is not")

@@ -136,14 +136,18 @@ BWD_TILES = {
     256: (64, 64, 1),
 }
 STAT_PAD = 128  # lse and delta rows are padded to whole query blocks for their TMA loads
+DQ_BLOCK_ROWS = 64  # the backward's query tile (every head dim): the dQ accumulator's blocks
 
 
 def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False,
-             softcap: bool = False, rows: str = "dense", attn_mask: str = "none") -> KernelSpec:
+             softcap: bool = False, rows: str = "dense", attn_mask: str = "none",
+             deterministic: bool = False) -> KernelSpec:
+    """``deterministic``: dQ added in a fixed key-block order (bitwise reproducible dQ)."""
     tile_m, tile_n, num_stages = BWD_TILES[head_dim]
+    extra = {"deterministic": True} if deterministic else {}
     return KernelSpec.make(BWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
                            softcap=softcap, rows=rows, attn_mask=attn_mask, tile=(tile_m, tile_n),
-                           stages=num_stages)
+                           stages=num_stages, **extra)
 
 
 def shipped(arch: str) -> list[KernelSpec]:
@@ -309,6 +313,30 @@ def _mask_placeholders(device_index: int) -> tuple:
             torch.zeros((1, 1, 1, 2), dtype=torch.int32, device=device))
 
 
+_tile_counters: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _current_raw_stream(device_index: int) -> int:
+    """The current stream's handle (the C binding when this torch build has it: ~0.2 us)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+
+
+def _tile_counter(device: torch.device) -> torch.Tensor:
+    """The dynamic schedule's tile counter of the current stream: zeroed once, and zeroed again
+    by every launch's last claim (``AttentionTileScheduler.claim_tile``), so launches in stream
+    order share it; launches on other streams, which may overlap, get their own. While a CUDA
+    graph is captured each launch gets a fresh one (a captured memset): graphs replayed on
+    different streams never share a counter."""
+    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (device.index, _current_raw_stream(device.index))
+    counter = _tile_counters.get(key)
+    if counter is None:
+        counter = _tile_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
 @functools.cache
 def _unused_counter(device_index: int) -> torch.Tensor:
     """What a kernel gets for an int32 tensor it never reads: a static schedule's tile counter,
@@ -402,7 +430,7 @@ class FlashFwdLaunch:
         (b, s_q, h, _), s_k = q.shape, k.shape[1]
         blocks, ranges, bits = mask_summary(attn_mask, ("fwd", s_q, s_k, self.tiles), lambda: _fwd_mask_summary(
             attn_mask, s_q, s_k, self.tiles))
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        counter = _tile_counter(q.device)
         unused = _unused_counter(self.device_index)
         m_blocks, n_blocks = blocks.shape[-2:]
         mask = _kernel_mask(attn_mask, b, h, s_q, s_k) if bits is None else bits.expand(b, h, *bits.shape[2:])
@@ -416,7 +444,7 @@ class FlashFwdLaunch:
             return
         q, out, lse, finish = self._gqa_rows(q, out, lse)
         unused = _unused_counter(self.device_index)
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.dynamic else unused
+        counter = _tile_counter(q.device) if self.dynamic else unused
         self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right,
                 softcap, self.grid, *self._split_args(q))
@@ -431,7 +459,7 @@ class FlashFwdLaunch:
         lse.fill_(float("-inf"))
         if self.no_keys:
             return
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        counter = _tile_counter(q.device)
         self.fn(q, k, v, out, lse, counter, key_start, key_end, 0, 0, *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right,
                 softcap, self.grid, *self._split_args(q))
@@ -444,7 +472,7 @@ class FlashFwdLaunch:
         if self._attends_to_nothing(out, lse):  # an empty cache
             return
         q, out, lse, finish = self._gqa_rows(q, out, lse)
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        counter = _tile_counter(q.device)
         rows = k_cache.shape[0] * k_cache.shape[1]
         k_rows = k_cache.reshape(1, rows, *k_cache.shape[2:])
         v_rows = v_cache.reshape(1, rows, *v_cache.shape[2:])
@@ -459,7 +487,7 @@ class FlashFwdLaunch:
         """Varlen: q, k, v, out (total, H, D), lse (H, total_q); the plan's variant is packed."""
         if self._attends_to_nothing(out, lse):
             return
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        counter = _tile_counter(q.device)
         self.fn(q[None], k[None], v[None], out[None], lse[None], counter, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k, *_mask_placeholders(self.device_index), softmax_scale, window_left,
                 window_right, softcap, self.grid, *self._split_args(q))
@@ -544,21 +572,32 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
 
 def _bwd_workspaces(batch: int, heads: int, stat_rows: int, accum_rows: int, head_dim: int, device) -> tuple:
     """The backward's fp32 workspaces: delta and lse * log2(e) (batch, heads, stat_rows), padded to
-    whole query blocks, and the dQ accumulator (batch, accum_rows, heads, head_dim)."""
+    whole query blocks, and the zeroed dQ accumulator (batch, heads, query blocks of accum_rows,
+    warpgroup, its tile in accumulator order: see kernels/sm90/flash_bwd.py)."""
     delta = torch.empty((batch, heads, stat_rows), dtype=torch.float32, device=device)
     lse_log2 = torch.empty((batch, heads, stat_rows), dtype=torch.float32, device=device)
-    dq_accum = torch.empty((batch, accum_rows, heads, head_dim), dtype=torch.float32, device=device)
+    blocks = -(-accum_rows // DQ_BLOCK_ROWS)
+    dq_accum = torch.zeros((batch, heads, blocks, 2, DQ_BLOCK_ROWS * head_dim // 2), dtype=torch.float32,
+                           device=device)
     return delta, lse_log2, dq_accum
 
 
 class FlashBwdLaunch:
     """The backward of one input layout: writes dq, dk, dv (preallocated, contiguous)."""
 
-    __slots__ = ("fn", "device_index")
+    __slots__ = ("fn", "device_index", "deterministic")
 
     def __init__(self, spec: KernelSpec, device_index: int):
         self.fn = get_compiled(spec)
         self.device_index = device_index
+        self.deterministic = spec.get("deterministic", False)
+
+    def _dq_order(self, dq_accum: torch.Tensor) -> torch.Tensor:
+        """Deterministic variants: one zeroed int32 per dQ accumulator tile, the count of key
+        blocks added to it so far (the next one waits for its turn); else a placeholder."""
+        if not self.deterministic:  # the compiled signature is 4-D either way
+            return _unused_counter(self.device_index).view(1, 1, 1, 1)
+        return torch.zeros(dq_accum.shape[:4], dtype=torch.int32, device=dq_accum.device)
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, window_left: int = 0,
                  window_right: int = 0, softcap: float = 0.0) -> None:
@@ -566,7 +605,8 @@ class FlashBwdLaunch:
         delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
                                                     head_dim, q.device)
         unused = _unused_counter(self.device_index)
-        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, unused, unused, 0, 0,
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, self._dq_order(dq_accum),
+                unused, unused, 0, 0,
                 *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
 
@@ -582,7 +622,8 @@ class FlashBwdLaunch:
                                                     head_dim, q.device)
         unused = _unused_counter(self.device_index)
         m_blocks, n_blocks = blocks.shape[-2:]
-        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, unused, unused, 0, 0,
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, self._dq_order(dq_accum),
+                unused, unused, 0, 0,
                 _kernel_mask(attn_mask, batch, heads, seqlen_q, seqlen_k),
                 blocks.expand(batch, heads, m_blocks, n_blocks), ranges.expand(batch, kv_heads, n_blocks, 2),
                 softmax_scale, 0, 0, 0.0)
@@ -596,7 +637,8 @@ class FlashBwdLaunch:
                                                     head_dim, q.device)
         for grad in (dq, dk, dv):
             grad.zero_()
-        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, key_start, key_end, 0, 0,
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, self._dq_order(dq_accum),
+                key_start, key_end, 0, 0,
                 *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
 
@@ -610,13 +652,14 @@ class FlashBwdLaunch:
         padded = -(-(total_q + batch * STAT_PAD) // STAT_PAD) * STAT_PAD
         delta, lse_log2, dq_accum = _bwd_workspaces(1, heads, padded, padded, head_dim, q.device)
         self.fn(dout[None], q[None], k[None], v[None], out[None], lse[None], dq[None], dk[None], dv[None],
-                delta, lse_log2, dq_accum, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                delta, lse_log2, dq_accum, self._dq_order(dq_accum), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k,
                 *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
 
 
 def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False,
-             rows: str = "dense", attn_mask: str = "none") -> FlashBwdLaunch | str:
+             rows: str = "dense", attn_mask: str = "none", deterministic: bool = False) -> FlashBwdLaunch | str:
     """The backward launch for this layout of q, k, v, or the reason no kernel covers it
     (dout and out, loaded like q, are checked by the op layer). ``rows`` as in :func:`plan_fwd`."""
     if rows == "packed":
@@ -628,7 +671,7 @@ def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False,
         return reason
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     spec = bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal, local=local, softcap=softcap, rows=rows,
-                    attn_mask=attn_mask)
+                    attn_mask=attn_mask, deterministic=deterministic)
     return FlashBwdLaunch(spec, device_index)
 
 

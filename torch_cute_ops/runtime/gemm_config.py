@@ -40,8 +40,6 @@ class GemmConfig:
     band_along_m: bool = True
     # Hopper: two consumer warpgroups each on its own tile, taking turns (see kernels/sm90)
     pingpong: bool = False
-    # Hopper, blockwise FP8 scales: each k-tile's scales loaded one k-tile ahead (kernels/sm90)
-    scale_prefetch: bool = False
 
     @property
     def tile_mn(self) -> tuple[int, int]:
@@ -59,14 +57,14 @@ class GemmConfig:
             "group": self.group_size,
             "band_m": self.band_along_m,
             "pingpong": self.pingpong,
-        } | ({"scale_prefetch": True} if self.scale_prefetch else {})
+        }
 
     @staticmethod
     def from_spec_params(params) -> "GemmConfig":
         """Inverse of :meth:`spec_params`, from a KernelSpec (or any mapping with those keys)."""
         tile, cluster = params["tile"], params["cluster"]
         return GemmConfig(tile[0], tile[1], cluster[0], cluster[1], params["group"], params["band_m"],
-                          params["pingpong"], params.get("scale_prefetch", False))
+                          params["pingpong"])
 
 
 Heuristic = Callable[[int, int, int, int, int], GemmConfig]

@@ -534,10 +534,18 @@ class AttentionTileScheduler(DslState):
 
     @cute.jit
     def claim_tile(self, counter: cute.Tensor) -> Int32:
-        """Dynamic schedules: the next unclaimed tile (call from one whole warp)."""
+        """Dynamic schedules: the next unclaimed tile (call from one whole warp).
+
+        Every CTA that starts on a tile claims once per tile it runs, the last claim returning
+        the end, so a launch makes exactly ``num_tiles`` claims: the one that returns
+        ``num_tiles - 1`` is the last of the launch, and it zeroes the counter for the next
+        launch on the stream (the host keeps one counter per stream instead of a fresh
+        zeroed one per call)."""
         claimed = Int32(0)
         if cute.arch.lane_idx() == 0:
             claimed = cute.arch.atomic_add(counter.iterator, Int32(1))
+            if claimed == self.num_tiles - 1:
+                counter[0] = Int32(0)
         return Int32(cute.arch.grid_dim()[0]) + cute.arch.shuffle_sync(claimed, 0)
 
     def tile_of(self, work: Int32) -> Int32:

@@ -20,16 +20,27 @@ One compiled function runs three kernels on the current stream:
      dS both go through smem. Each warpgroup writes its half of the dQ tile to smem and
      moves on; causal blocks above the diagonal are never loaded nor computed;
    * warps 1 and 2 (one per MMA warpgroup): add each dQ tile to the fp32 accumulator in
-     global memory with one TMA reduce-add (``cp.reduce.async.bulk.tensor``), handing
-     the smem tile back through a pair of named barriers;
-3. postprocess: convert the fp32 dQ accumulator to the input dtype.
+     global memory with one 1-D bulk reduce-add (``cp.reduce.async.bulk``), handing the
+     smem tile back through a pair of named barriers. The tile travels in accumulator
+     order (each thread's values in 16-byte groups, a warp's groups contiguous: vector
+     stores without bank conflicts, one base address), and the accumulator keeps that
+     order: a (B, H, query block, warpgroup, tile) buffer that the postprocess puts back;
+3. postprocess: scale the fp32 dQ accumulator by the softmax scale and convert it to the input
+   dtype.
 
 Determinism: dK and dV are deterministic (a CTA owns its key block and loops over the
 query heads of its kv head in a fixed order, so GQA needs no atomics). dQ is summed by
-TMA reduce-adds from the CTAs of different key blocks, whose order is not fixed: dQ is
-not bitwise reproducible run to run (fp32 sums, then rounded to bf16/fp16).
+bulk reduce-adds from the CTAs of different key blocks, whose order is not fixed: dQ is
+not bitwise reproducible run to run (fp32 sums, then rounded to bf16/fp16). The
+``deterministic`` variants fix the order: a writer adds its tile only once every higher key
+block that visits the tile has added its own (an int32 count per accumulator tile, acquired
+and released at GPU scope). Their grid runs the key blocks backwards (CTA x takes key block
+N - 1 - x): a CTA only waits on CTAs launched before it, so the waits always end, and under a
+causal mask a key block reaches each query block after the higher blocks (which start on the
+diagonal, later in the sequence) have added theirs: in key order, the first key block would
+hold every other one back by its whole loop.
 Extra memory: delta and lse * log2(e) (2 x B*H*S_q fp32, padded) and the dQ accumulator
-(B*S_q*H*D fp32).
+(B*S_q*H*D fp32, S_q padded to whole query blocks; zeroed by the host).
 """
 
 from __future__ import annotations
@@ -43,11 +54,15 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
+from ...runtime.attention import DQ_BLOCK_ROWS as _DQ_BLOCK_ROWS
 from ...runtime.attention import STAT_PAD as _STAT_PAD
 from ...runtime.spec import KernelSpec
 from ..common.flash_common import (
     BLOCK_FULL, LOG2_E, acc_as_rows_cols, apply_attn_mask, apply_softcap, convert_to_16bit, mask_scores,
     tiled_wgmma, transposed_view,
+)
+from ..common.bulk import (
+    add_release_gpu, bulk_reduce_add_f32, fence_proxy_async_global, load_acquire_gpu, nanosleep,
 )
 from ..common.mask_args import mask_fakes
 from ..common.seqlen import SeqBounds, store_rows
@@ -106,7 +121,7 @@ class FlashBwdSm90:
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int,
                  num_stages: int, local: bool = False, softcap: bool = False, rows: str = "dense",
-                 attn_mask: str = "none"):
+                 attn_mask: str = "none", deterministic: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -119,10 +134,13 @@ class FlashBwdSm90:
         # PyTorch's attn_mask ("bool" or "add"itive), read in the blocks its summary says partial
         self.attn_mask = attn_mask
         self.masked = attn_mask != "none"
+        self.deterministic = deterministic  # dQ added in a fixed key-block order (see the docstring)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.dq_cols = head_dim // 2  # each MMA warpgroup owns half of the dQ columns
+        assert tile_m == _DQ_BLOCK_ROWS, "the dQ accumulator's blocks are the query tiles"
+        self.dq_chunk = tile_m * self.dq_cols  # one warpgroup's dQ tile, fp32
         # pre/postprocess: a group of threads per (b, s, h) row, 16 contiguous bytes of
         # dO/O/dQ per thread and chunk, so that a warp reads whole 128-byte lines
         chunks = head_dim // 8
@@ -165,7 +183,7 @@ class FlashBwdSm90:
     def __call__(self, mdO: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mO: cute.Tensor, mLSE: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mDelta: cute.Tensor, mLSElog2: cute.Tensor,
-                 mdQacc: cute.Tensor, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
+                 mdQacc: cute.Tensor, mDqOrder: cute.Tensor, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
                  max_seqlen_q: Int32, max_seqlen_k: Int32, mMask: cute.Tensor, mMaskBlocks: cute.Tensor,
                  mMaskRange: cute.Tensor, softmax_scale: Float32, window_left: Int32,
                  window_right: Int32, softcap: Float32, stream):
@@ -177,25 +195,26 @@ class FlashBwdSm90:
             seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
             padded_q = cute.ceil_div(max_seqlen_q, _STAT_PAD) * _STAT_PAD
         heads, keys_extent = cute.size(mQ.shape[2]), mK.shape[1]
-        self._preprocess_kernel(mO, mdO, mLSE, mDelta, mLSElog2, mdQacc, mSeqInfoQ, mSeqInfoK,
+        self._preprocess_kernel(mO, mdO, mLSE, mDelta, mLSElog2, mSeqInfoQ, mSeqInfoK,
                                 keys_extent).launch(
             grid=(cute.ceil_div(padded_q * heads, self.rows_per_cta), batch, 1),
             block=[self.row_threads, 1, 1], stream=stream)
-        self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mSeqInfoQ, mSeqInfoK,
+        self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mDqOrder, mSeqInfoQ, mSeqInfoK,
                           (mMask, mMaskBlocks, mMaskRange), batch, seqlen_k, softmax_scale, window_left,
                           window_right, softcap, stream)
-        self._postprocess_kernel(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent).launch(
-            grid=(cute.ceil_div(seqlen_q * heads, self.rows_per_cta), batch, 1),
-            block=[self.row_threads, 1, 1], stream=stream)
+        self._postprocess_kernel(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent, softmax_scale,
+                                 self._make_mmas()[2]).launch(
+            grid=(cute.ceil_div(seqlen_q, self.tile_m), heads, batch),
+            block=[_NUM_MMA_THREADS, 1, 1], stream=stream)
 
     @cute.jit
-    def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mSeqInfoQ, mSeqInfoK,
+    def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mDqOrder, mSeqInfoQ, mSeqInfoK,
                      mask_args, batch, seqlen_k, softmax_scale, window_left, window_right, softcap, stream):
         # (B, S, H, D) -> (S, D, H, B): TMA tiles over (S, D); (B, H, S) -> (S, H, B)
         seq_major = [1, 3, 2, 0]
-        mQ, mK, mV, mdO, mdK, mdV, mdQacc = [
+        mQ, mK, mV, mdO, mdK, mdV = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=seq_major))
-            for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)
+            for t in (mQ, mK, mV, mdO, mdK, mdV)
         ]
         mLSElog2, mDelta = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                             for t in (mLSElog2, mDelta)]
@@ -220,8 +239,8 @@ class FlashBwdSm90:
             sdS_layout = sP_layout
         # lse * log2(e) with Q, delta with dO: one query block per stage
         sStat_layout = cute.make_layout((self.tile_m, self.num_stages))
-        # fp32 dQ tile, one (tile_m, dq_cols) block per warpgroup
-        sdQ_layout = _smem_layout(Float32, self.tile_m, self.dq_cols, 2)
+        # fp32 dQ tile of each warpgroup, in accumulator order (see _consume)
+        sdQ_layout = cute.make_layout((self.dq_chunk, 2))
 
         g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         q_tile = (self.tile_m, self.head_dim)
@@ -232,9 +251,6 @@ class FlashBwdSm90:
         tma_V, gmem_V = cpasync.make_tiled_tma_atom(g2s, mV, sKV_layout, kv_tile)
         tma_dK, gmem_dK = cpasync.make_tiled_tma_atom(s2g, mdK, sKV_layout, kv_tile)
         tma_dV, gmem_dV = cpasync.make_tiled_tma_atom(s2g, mdV, sKV_layout, kv_tile)
-        tma_dQ, gmem_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc,
-            cute.select(sdQ_layout, mode=[0, 1]), (self.tile_m, self.dq_cols))
         stat_tile = cute.make_layout(self.tile_m)
         tma_LSE, gmem_LSE = cpasync.make_tiled_tma_atom(g2s, mLSElog2, stat_tile, (self.tile_m,))
         tma_Delta, gmem_Delta = cpasync.make_tiled_tma_atom(g2s, mDelta, stat_tile, (self.tile_m,))
@@ -265,8 +281,8 @@ class FlashBwdSm90:
 
         grid = (cute.ceil_div(seqlen_k, self.tile_n), cute.size(mK.shape[2]), batch)
         self._main_kernel(
-            tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_dQ, tma_LSE, tma_Delta,
-            gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, gmem_dQ, gmem_LSE, gmem_Delta,
+            tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_LSE, tma_Delta,
+            gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, mdQacc, mDqOrder, gmem_LSE, gmem_Delta,
             mdK, mdV, mSeqInfoQ, mSeqInfoK, *mask_args, 1.0 / softmax_scale,
             mma_sdp, mma_dkv, mma_dq,
             sQ_layout, sKV_layout, sP_layout, sdS_layout, sdQ_layout, sStat_layout,
@@ -291,7 +307,7 @@ class FlashBwdSm90:
 
     @cute.kernel
     def _preprocess_kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                           mDelta: cute.Tensor, mLSElog2: cute.Tensor, mdQacc: cute.Tensor,
+                           mDelta: cute.Tensor, mLSElog2: cute.Tensor,
                            mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor, keys_extent: Int32):
         b, s, h, lane = self._row_coords(mO.shape[2])
         bounds = SeqBounds(b, mO.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
@@ -304,15 +320,11 @@ class FlashBwdSm90:
         row_sum = Float32(0.0)
         if in_seq:
             o_row, do_row = mO[q_entry, q_row, h, None], mdO[q_entry, q_row, h, None]
-            acc_row = mdQacc[stat_entry, stat_row, h, None]
-            zeros = cute.make_rmem_tensor((8,), Float32)
-            zeros.fill(0.0)
             for k in cutlass.range_constexpr(self.chunks_per_thread):
                 chunk = lane + k * self.threads_per_row
                 o = cute.local_tile(o_row, (8,), (chunk,)).load().to(Float32)
                 do = cute.local_tile(do_row, (8,), (chunk,)).load().to(Float32)
                 row_sum += (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                cute.autovec_copy(zeros, cute.local_tile(acc_row, (8,), (chunk,)))
         # every lane shuffles, valid row or not: the groups never straddle rows
         total = cute.arch.warp_reduction_sum(row_sum, threads_in_group=self.threads_per_row)
         if s < padded_q:
@@ -327,27 +339,39 @@ class FlashBwdSm90:
 
     @cute.kernel
     def _postprocess_kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mSeqInfoQ: cute.Tensor,
-                            mSeqInfoK: cute.Tensor, keys_extent: Int32):
-        b, s, h, lane = self._row_coords(mdQ.shape[2])
+                            mSeqInfoK: cute.Tensor, keys_extent: Int32, softmax_scale: Float32,
+                            mma_dq: cute.TiledMma):
+        """One query block of one head: its two warpgroup tiles read in accumulator order, each
+        value put back at the (row, col) the dQ GEMM's C partition gives it, times the softmax
+        scale (the main loop adds unscaled dS K), in the input dtype."""
+        tidx = cute.arch.thread_idx()[0]
+        m_block, h, b = cute.arch.block_idx()
         bounds = SeqBounds(b, mdQ.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
-        if s < bounds.seqlen_q:
-            q_row, q_entry = bounds.q_index(s, b)
-            acc_row_idx, acc_entry = bounds.padded_index(s, b)
-            acc_row, dq_row = mdQacc[acc_entry, acc_row_idx, h, None], mdQ[q_entry, q_row, h, None]
-            for k in cutlass.range_constexpr(self.chunks_per_thread):
-                chunk = lane + k * self.threads_per_row
-                acc = cute.local_tile(acc_row, (8,), (chunk,)).load()
-                cute.local_tile(dq_row, (8,), (chunk,)).store(acc.to(self.dtype))
+        if m_block * self.tile_m < bounds.seqlen_q:
+            row0, entry = bounds.padded_index(m_block * self.tile_m, b)
+            tile = mdQacc[entry, h, row0 // self.tile_m, tidx // 128, None]
+            coords = mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+            values = cute.size(coords)
+            acc = cute.make_rmem_tensor((4, values // 4), Float32)
+            cute.autovec_copy(_accumulator_order(tile, tidx % 128, values), acc)
+            for i in cutlass.range_constexpr(values):
+                row, col = coords[i]
+                s_row = m_block * self.tile_m + row
+                if s_row < bounds.seqlen_q:
+                    q_row, q_entry = bounds.q_index(s_row, b)
+                    mdQ[q_entry, q_row, h, col] = (acc[i % 4, i // 4] * softmax_scale).to(self.dtype)
 
     # ---------------------------------------------------------------- main kernel
     @cute.kernel
     def _main_kernel(
         self,
         tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
-        tma_dK: cute.CopyAtom, tma_dV: cute.CopyAtom, tma_dQ: cute.CopyAtom,
+        tma_dK: cute.CopyAtom, tma_dV: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom,
         mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
-        mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor,
+        mdK: cute.Tensor, mdV: cute.Tensor,
+        mdQacc: cute.Tensor,  # (B, H, query blocks, warpgroup, tile) fp32, accumulator order
+        mDqOrder: cute.Tensor,  # deterministic: (B, H, query blocks, warpgroup) int32 add counts
         mLSElog2: cute.Tensor, mDelta: cute.Tensor,
         mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,  # dK, dV as plain gmem: the ragged store
         mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
@@ -355,24 +379,27 @@ class FlashBwdSm90:
         mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,  # unused when P stays in registers (swap_sdp)
-        sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout, sdQ_layout: cute.Layout,
         sStat_layout: cute.Layout,
         scale_log2: Float32, cap_scale: Float32, softmax_scale: Float32, window_left: Int32, window_right: Int32,
         SharedStorage: cutlass.Constexpr,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, kv_head, batch = cute.arch.block_idx()
+        if const_expr(self.deterministic):  # key blocks backwards (see the module docstring)
+            n_block = cute.arch.grid_dim()[0] - 1 - n_block
         if warp_idx == 0:
-            for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_dQ, tma_LSE, tma_Delta):
+            for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_LSE, tma_Delta):
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         swizzled = [("sQ", sQ_layout), ("sdO", sQ_layout), ("sK", sKV_layout),
-                    ("sV", sKV_layout), ("sdS", sdS_layout), ("sdQ", sdQ_layout)]
+                    ("sV", sKV_layout), ("sdS", sdS_layout)]
         if const_expr(not self.swap_sdp):
             swizzled.append(("sP", sP_layout))
         smem = {name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
                 for name, layout in swizzled}
+        smem["sdQ"] = storage.sdQ.get_tensor(sdQ_layout)
         smem["sLSE"] = storage.sLSE.get_tensor(sStat_layout)
         smem["sDelta"] = storage.sDelta.get_tensor(sStat_layout)
 
@@ -406,8 +433,8 @@ class FlashBwdSm90:
                                   pipe_kv, pipe_q, pipe_do, n_block, kv_head, batch, group,
                                   m_block_min, m_block_max, bounds)
                 elif warp_idx <= 2:
-                    self._write_dq(tma_dQ, mdQacc, smem["sdQ"], warp_idx - 1, kv_head, batch, group,
-                                   m_block_min, m_block_max, bounds)
+                    self._write_dq(mdQacc, mDqOrder, smem["sdQ"], warp_idx - 1, n_block, kv_head, batch, group,
+                                   m_block_min, m_block_max, bounds, window_left, window_right, mMaskRange)
             else:
                 cute.arch.setmaxregister_increase(_MMA_REGS)
                 self._consume(mdK, mdV, mdK_rows, mdV_rows, tma_dK, tma_dV,
@@ -553,9 +580,10 @@ class FlashBwdSm90:
         acc_dK.fill(0.0)
         # (rows, cols) views of S / P and dP / dS, and of their coordinates in the tile
         acc_S_rc, acc_dP_rc = acc_as_rows_cols(acc_S), acc_as_rows_cols(acc_dP)
-        # softcap: d(softcap * tanh(u)) / d(scaled score) = 1 - tanh(u)^2, per score
-        dcap = cute.make_rmem_tensor_like(acc_S) if const_expr(self.softcap) else None
-        dcap_rc = acc_as_rows_cols(dcap) if const_expr(self.softcap) else None
+        # softcap: d(softcap * tanh(u)) / d(scaled score) = 1 - tanh(u)^2 per score, tanh(u)
+        # recovered from P itself (P = exp2(tanh(u) * scale_log2 - lse * log2 e)): one MUFU.LG2
+        # per score instead of a second fp32 fragment live from the exp to dS (it spilled)
+        inv_scale_log2 = 1.0 / scale_log2 if const_expr(self.softcap) else None
         cS = cute.make_identity_tensor(sdp_tile)
         tScS = acc_as_rows_cols(mma_sdp.get_slice(tidx).partition_C(cS))
         t0ScS = acc_as_rows_cols(mma_sdp.get_slice(0).partition_C(cS))
@@ -566,8 +594,10 @@ class FlashBwdSm90:
         tdSsdS = store_PdS.partition_D(sdS)
         if const_expr(not swap):
             tPsP = store_PdS.partition_D(sP)
-        # dQ registers -> this warpgroup's fp32 smem tile (columns split across warpgroups)
-        tdQsdQ = mma_dq.get_slice(tidx).partition_C(cute.group_modes(sdQ, 1, 3))
+        # dQ registers -> this warpgroup's fp32 smem tile (columns split across warpgroups), in
+        # accumulator order: 16-byte groups, a warp's contiguous
+        tdQsdQ = _accumulator_order(sdQ[None, wg_idx], tidx % 128, cute.size(acc_dQ))
+        tdQrdQ = cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape, stride=(1, 4)))
 
         by_query = self._by_query(tScS)
 
@@ -601,8 +631,6 @@ class FlashBwdSm90:
             # P = exp2(S * scale * log2(e) - lse * log2(e))
             if const_expr(self.softcap):  # capped before the mask: masked scores stay -inf
                 apply_softcap(acc_S, cap_scale)
-                for i in cutlass.range_constexpr(cute.size(acc_S)):
-                    dcap[i] = 1.0 - acc_S[i] * acc_S[i]
             if const_expr(self.masked):  # attn_mask values where the block is not full
                 if mMaskBlocks[batch, head, m_block, n_block] != BLOCK_FULL:
                     apply_attn_mask(acc_S, tScS, mMask[batch, head, None, None], m_block * self.tile_m,
@@ -639,10 +667,18 @@ class FlashBwdSm90:
             warpgroup.wait_group(1 if const_expr(swap) else 0)  # dP done (dV in flight)
             for query, coords in by_query:
                 delta = sDelta[query, do_idx]
+                if const_expr(self.softcap):
+                    lse_log2 = sLSE[query, q_idx]
                 for rc in coords:
-                    acc_dP_rc[rc] = acc_S_rc[rc] * (acc_dP_rc[rc] - delta)
+                    p = acc_S_rc[rc]
+                    acc_dP_rc[rc] = p * (acc_dP_rc[rc] - delta)
                     if const_expr(self.softcap):
-                        acc_dP_rc[rc] = acc_dP_rc[rc] * dcap_rc[rc]
+                        # clamped to tanh's range: P = 0 (masked, underflowed, or a row whose
+                        # lse is +inf) then gives a finite factor times dS = 0
+                        tanh_u = (cute.math.log2(cute.arch.fmax(p, Float32(1e-37)), fastmath=True)
+                                  + lse_log2) * inv_scale_log2
+                        tanh_u = cute.arch.fmin(cute.arch.fmax(tanh_u, Float32(-1.0)), Float32(1.0))
+                        acc_dP_rc[rc] = acc_dP_rc[rc] * (1.0 - tanh_u * tanh_u)
             rdS = _to_dtype(acc_dP, self.dtype)
             if const_expr(swap and self.num_stages == 1):
                 # single dS buffer: the other warpgroup's dQ of the previous block read it
@@ -666,9 +702,10 @@ class FlashBwdSm90:
             warpgroup.wait_group(1)  # dV and dQ done, dK still running
             pipe_do.consumer_release(state_do)
             state_do.advance()
-            # dQ (times the softmax scale) -> smem, for the writer warp's reduce-add
+            # dQ -> smem, for the writer warp's reduce-add (the postprocess applies the softmax
+            # scale once, not once per key block)
             cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg_idx, number_of_threads=_DQ_BAR_THREADS)
-            tdQsdQ.store(acc_dQ.load() * softmax_scale)
+            cute.autovec_copy(tdQrdQ, tdQsdQ)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg_idx,
                                      number_of_threads=_DQ_BAR_THREADS)
@@ -680,11 +717,12 @@ class FlashBwdSm90:
                         mdK, mdV, mdK_rows, mdV_rows, tidx, n_block, kv_head, batch, bounds)
 
     @cute.jit
-    def _write_dq(self, tma_dQ, mdQacc, sdQ, wg, kv_head, batch, group, m_block_min, m_block_max,
-                  bounds: SeqBounds):
+    def _write_dq(self, mdQacc, mDqOrder, sdQ, wg, n_block, kv_head, batch, group, m_block_min, m_block_max,
+                  bounds: SeqBounds, window_left, window_right, mMaskRange):
         """Writer warp of MMA warpgroup ``wg``: adds each of its dQ tiles to the fp32
-        accumulator with one TMA reduce-add, off the warpgroup's critical path."""
-        sdQ_wg = cute.group_modes(sdQ[None, None, wg], 0, 2)
+        accumulator with one 1-D bulk reduce-add, off the warpgroup's critical path
+        (deterministic variants: from the last key block down, see :meth:`_dq_turn`)."""
+        src = sdQ[None, wg].iterator.toint()
         num_m = m_block_max - m_block_min
         num_blocks = group * num_m
         if num_blocks > 0:  # (no arrival left pending at exit)
@@ -693,18 +731,59 @@ class FlashBwdSm90:
         for block in cutlass.range(num_blocks, unroll=1):
             head = kv_head * group + block // num_m
             m_block = m_block_min + block % num_m
-            gdQ = cute.local_tile(bounds.padded_rows(mdQacc, head, batch), (self.tile_m, self.dq_cols),
-                                  (m_block, wg))
-            tdQsdQ, tdQgdQ = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), sdQ_wg,
-                                                   cute.group_modes(gdQ, 0, 2))
+            row0, entry = bounds.padded_index(m_block * self.tile_m, batch)
+            tile_idx = (entry, head, row0 // self.tile_m, wg)
+            dst = mdQacc[(*tile_idx, None)].iterator.toint()
+            turn = Int32(0)
+            if const_expr(self.deterministic):  # worked out while the warpgroup computes the tile
+                turn = self._dq_turn(n_block, m_block, kv_head, batch, bounds, window_left, window_right,
+                                     mMaskRange)
             cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_DQ_BAR_THREADS)
-            cute.copy(tma_dQ, tdQsdQ, tdQgdQ)
-            cute.arch.cp_async_bulk_commit_group()
+            if cute.arch.lane_idx() == 0:
+                if const_expr(self.deterministic):
+                    count = (mDqOrder.iterator + cute.crd2idx(tile_idx, mDqOrder.layout)).toint()
+                    while load_acquire_gpu(count) != turn:
+                        nanosleep(32)
+                    fence_proxy_async_global()
+                bulk_reduce_add_f32(dst, src, self.dq_chunk * Float32.width // 8)
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(self.deterministic):
+                    # the add must be performed before the next key block's may start
+                    cute.arch.cp_async_bulk_wait_group(0)
+                    fence_proxy_async_global()
+                    add_release_gpu(count, Int32(1))
+                elif block + 1 < num_blocks:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             if block + 1 < num_blocks:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
                                          number_of_threads=_DQ_BAR_THREADS)
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if cute.arch.lane_idx() == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _dq_turn(self, n_block, m_block, kv_head, batch, bounds: SeqBounds, window_left, window_right,
+                 mMaskRange) -> Int32:
+        """How many higher key blocks of this sequence visit query block ``m_block``: this key
+        block's turn to add to that dQ tile. Dense: all of them. Causal and windows: both ends of
+        :meth:`_m_block_range` grow with the key block, so the visitors of a query block are
+        one run of key blocks, whose last one has the last first-row before the query block's
+        end (a closed form: a loop over the key blocks would outlast the tile at long lengths).
+        Masks: counted with the ranges the CTAs loop over, so the count always comes."""
+        n_blocks = cute.ceil_div(bounds.seqlen_k, self.tile_n)
+        turn = n_blocks - 1 - n_block
+        if const_expr(self.masked):
+            turn = Int32(0)
+            for higher in cutlass.range(n_block + 1, n_blocks, unroll=1):
+                if mMaskRange[batch, kv_head, higher, 0] <= m_block and m_block < mMaskRange[batch, kv_head, higher, 1]:
+                    turn += 1
+        elif const_expr(self.causal or self.local):
+            # key block j visits m_block iff its first row j * tile_n - offset - right lies before
+            # the query block's end: j * tile_n < (m_block + 1) * tile_m + offset + right
+            right = Int32(0) if const_expr(self.causal) else window_right
+            end = (m_block + 1) * self.tile_m + bounds.seqlen_k - bounds.seqlen_q + right
+            visitors_end = cutlass.min(n_blocks, cute.ceil_div(cutlass.max(end, 0), self.tile_n))
+            turn = visitors_end - 1 - n_block
+        return turn
 
     @cute.jit
     def _store_dkv(self, acc_dK, acc_dV, softmax_scale, mma_dkv, sK, sV, tma_dK, tma_dV,
@@ -739,6 +818,14 @@ class FlashBwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
+def _accumulator_order(chunk: cute.Tensor, thread: Int32, values: int) -> cute.Tensor:
+    """Thread ``thread``'s (4, values / 4) view of a warpgroup's fp32 dQ tile kept in
+    accumulator order: its value ``4 c + j`` at ``512 c + 4 thread + j`` (128 threads), so
+    that the 16-byte groups of a warp are contiguous."""
+    base = (chunk.iterator + 4 * thread).align(16)
+    return cute.make_tensor(base, cute.make_layout((4, values // 4), stride=(1, 4 * 128)))
+
+
 # -------------------------------------------------------------------- family / host API
 def _bshd(dtype, head_dim):
     """A (B, S, H, D) tensor with any 16-byte aligned strides but a unit last one."""
@@ -752,7 +839,7 @@ def build(spec: KernelSpec):
     dtype, head_dim = _DTYPES[spec["dtype"]], spec["head_dim"]
     tile_m, tile_n = spec["tile"]
     kernel = FlashBwdSm90(dtype, head_dim, spec["causal"], tile_m, tile_n, spec["stages"], spec["local"],
-                          spec["softcap"], spec["rows"], spec["attn_mask"])
+                          spec["softcap"], spec["rows"], spec["attn_mask"], spec.get("deterministic", False))
     bhs = lambda: cute.runtime.make_fake_tensor(
         Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
         stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
@@ -760,9 +847,10 @@ def build(spec: KernelSpec):
     padded_stat = lambda: cute.runtime.make_fake_compact_tensor(
         Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(divisibility=_STAT_PAD)),
         stride_order=(2, 1, 0), assumed_align=16)
+    # dQ accumulator (B, H, query blocks, warpgroup, tile): warpgroup tiles in accumulator order
     dq_accum = cute.runtime.make_fake_compact_tensor(
-        Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), head_dim),
-        stride_order=(3, 2, 1, 0), assumed_align=16)
+        Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 2, tile_m * head_dim // 2),
+        stride_order=(4, 3, 2, 1, 0), assumed_align=16)
     bshd = lambda: _bshd(dtype, head_dim)
     cu_seqlens = lambda: cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
     fake_args = (
@@ -770,6 +858,9 @@ def build(spec: KernelSpec):
         bhs(),  # lse
         bshd(), bshd(), bshd(),  # dq, dk, dv
         padded_stat(), padded_stat(), dq_accum,
+        cute.runtime.make_fake_compact_tensor(  # dQ add order (deterministic variants; else unread)
+            Int32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
+            stride_order=(3, 2, 1, 0), assumed_align=4),
         cu_seqlens(), cu_seqlens(), Int32(0), Int32(0),  # row bounds (common.seqlen), max_seqlen (q, k)
         *mask_fakes(spec["attn_mask"], dtype),
         Float32(1.0), Int32(0), Int32(0), Float32(1.0),

@@ -92,7 +92,6 @@ class Sm90Gemm:
         self.b_dtype = b_dtype or ab_dtype
         self.bias_dtype = bias_dtype or ab_dtype
         self.scale_mode = scale_mode
-        self.scale_prefetch = config.scale_prefetch and scale_mode == "block"
         self.out_dtype = out_dtype
         self.a_k_major = a_k_major
         self.b_k_major = b_k_major
@@ -116,7 +115,9 @@ class Sm90Gemm:
         # a ring of swizzled smem subtiles (stmatrix) and TMA stores
         self.direct_store = out_dtype.width == 32
         self.epi_tile = (64 * self.tile_wgs, 32)
-        self.epi_stages = 4
+        # ping-pong keeps a ring per warpgroup: three subtiles each leave room for a fifth A/B
+        # stage at 128 x 192 (QuACK's default tile and depth)
+        self.epi_stages = 3 if config.pingpong else 4
         self.ab_stages = self._ab_stages()
 
     def _ab_stages(self) -> int:
@@ -452,11 +453,10 @@ class Sm90Gemm:
         """acc = sum over k-tiles of (A_k @ B_k) * scale_a[row, k] * scale_b[k, col // 128].
 
         Each k-tile's batch accumulates into ``acc_k_tile`` from zero and is waited for, then
-        promoted into ``acc`` with one FFMA per value. The scales of a k-tile are loaded before
-        its stage wait; ptxas places their product between the batch's WGMMAs, so the batch's
-        issue waits for the loads (an L2 trip for scale_b's new line every k-tile). With
-        ``scale_prefetch`` (the experiment, ``GemmConfig.scale_prefetch``) they are loaded a
-        k-tile ahead instead.
+        promoted into ``acc`` with one FFMA per value. A k-tile's scales are loaded one k-tile
+        ahead: loaded at the top of their own k-tile, ptxas placed their product between the
+        batch's WGMMAs, whose issue then waited for an L2 trip (scale_b's new line every k-tile):
+        4-14% of the blockwise speed at the bench shapes (bench/NOTES.md).
         """
         # The wgmma C fragment of a thread holds values ((2 cols, 2 rows, n/8 col groups), m, 1):
         # its rows, and its single 128-column block, are the same for every k-tile.
@@ -466,37 +466,27 @@ class Sm90Gemm:
         for r in cutlass.range_constexpr(frag_rows):
             rows[r] = cutlass.min(row_start + tCcC[((0, r % 2, 0), r // 2, 0)][0], last_row)
         col_block = col_start // SCALE_BLOCK
+        # The next k-tile's scales are combined at the top of the k-tile that uses them, before
+        # the one after is loaded into the same registers: no copies, and nothing between the
+        # WGMMAs waits on a load.
         row_scale = cute.make_rmem_tensor((frag_rows,), Float32)
-        if cutlass.const_expr(self.scale_prefetch):
-            # Each k-tile's scales are loaded one k-tile ahead (their latency, an L2 round trip
-            # for scale_b's new line every k-tile, never holds up a batch's issue) and combined
-            # at the top of the k-tile that uses them, before the next ones are loaded into the
-            # same registers: no copies, nothing between the WGMMAs waits on a load.
-            next_row = cute.make_rmem_tensor((frag_rows,), Float32)
-            for r in cutlass.range_constexpr(frag_rows):
-                next_row[r] = mScaleA[rows[r], 0, batch_idx]
-            next_block = mScaleB[0, col_block, batch_idx]
+        next_row = cute.make_rmem_tensor((frag_rows,), Float32)
+        for r in cutlass.range_constexpr(frag_rows):
+            next_row[r] = mScaleA[rows[r], 0, batch_idx]
+        next_block = mScaleB[0, col_block, batch_idx]
         acc.fill(0.0)
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
-            if cutlass.const_expr(self.scale_prefetch):
-                for r in cutlass.range_constexpr(frag_rows):
-                    row_scale[r] = next_row[r] * next_block
-                k_next = cutlass.min(k_tile + 1, num_k_tiles - 1)
-                next_block = mScaleB[k_next, col_block, batch_idx]
-                for r in cutlass.range_constexpr(frag_rows):
-                    next_row[r] = mScaleA[rows[r], k_next, batch_idx]
-            else:
-                block_scale = mScaleB[k_tile, col_block, batch_idx]
-                for r in cutlass.range_constexpr(frag_rows):
-                    row_scale[r] = mScaleA[rows[r], k_tile, batch_idx]
+            for r in cutlass.range_constexpr(frag_rows):
+                row_scale[r] = next_row[r] * next_block
+            k_next = cutlass.min(k_tile + 1, num_k_tiles - 1)
+            next_block = mScaleB[k_next, col_block, batch_idx]
+            for r in cutlass.range_constexpr(frag_rows):
+                next_row[r] = mScaleA[rows[r], k_next, batch_idx]
             ab_pipeline.consumer_wait(read_state)
             self._mma_k_tile(tiled_mma, acc_k_tile, tCrA, tCrB, read_state.index, zero_init=True)
             warpgroup.wait_group(0)
             ab_pipeline.consumer_release(read_state)
             read_state.advance()
-            if cutlass.const_expr(not self.scale_prefetch):
-                for r in cutlass.range_constexpr(frag_rows):
-                    row_scale[r] = row_scale[r] * block_scale
             for i in cutlass.range_constexpr(cute.size(acc)):
                 coord = cute.idx2crd(i, acc.shape)
                 acc[i] = acc[i] + acc_k_tile[i] * row_scale[coord[0][1] + 2 * coord[1]]

@@ -1,0 +1,61 @@
+"""The cost of a bitwise-reproducible attention backward, through the public API.
+
+    python bench/bench_deterministic.py [--rounds 3]
+
+The same ``torch.autograd.grad`` of ``tco.flash_attn_func``'s output (bf16, random inputs, given
+dO) timed with ``torch.use_deterministic_algorithms`` off and on, interleaved over rounds
+(medians of ``triton.testing.do_bench``); on, the backward runs the ordered-dQ kernel. Also
+checks that two deterministic runs give identical bytes and that nothing fell back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from triton.testing import do_bench
+
+SHAPES = [  # (batch, seqlen, heads, head_dim, causal): the quick grid's D128 row, D64, D256
+    (16, 1024, 16, 128, True), (4, 4096, 16, 128, False), (4, 4096, 16, 128, True),
+    (1, 16384, 16, 128, True), (2, 8192, 32, 64, True), (2, 8192, 8, 256, True),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    import torch_cute_ops as tco
+    from torch_cute_ops.ops import fallback
+
+    print(f"{torch.cuda.get_device_name()}: backward ms, median of {args.rounds} interleaved rounds")
+    print(f"{'shape':34} {'default':>8} {'determ.':>8} {'cost':>7}  bitwise")
+    costs = []
+    for batch, seqlen, heads, head_dim, causal in SHAPES:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        dout = torch.randn_like(q)
+        out = tco.flash_attn_func(q, k, v, causal=causal)
+        grad = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+        times = {False: [], True: []}
+        try:
+            for _ in range(args.rounds):
+                for deterministic in (False, True):
+                    torch.use_deterministic_algorithms(deterministic)
+                    times[deterministic].append(do_bench(grad, warmup=25, rep=100, return_mode="median"))
+            torch.use_deterministic_algorithms(True)
+            same = all(torch.equal(a, b) for a, b in zip(grad(), grad()))
+        finally:
+            torch.use_deterministic_algorithms(False)
+        default, ordered = (statistics.median(times[d]) for d in (False, True))
+        costs.append(ordered / default)
+        name = f"B{batch} S{seqlen} H{heads} D{head_dim} {'causal' if causal else 'full'}"
+        print(f"{name:34} {default:8.3f} {ordered:8.3f} {ordered / default - 1:+7.1%}  {same}")
+    print(f"geomean cost {statistics.geometric_mean(costs) - 1:+.1%}, max {max(costs) - 1:+.1%}; "
+          f"fallbacks: {fallback.counts() or 'none'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Deterministic attention backward, the op layer (CPU): who asks for the ordered dQ variant.
+
+``deterministic=True`` on the public functions and ``torch.use_deterministic_algorithms(True)``
+both reach the backward's plan (the kernel variant is chosen by the flag in the plan's key); the
+forward ignores it. The kernel itself: tests/test_flash_bwd_sm90_ptx.py and the GPU tests.
+"""
+
+import pytest
+import torch
+
+import torch_cute_ops as tco
+from torch_cute_ops.ops import attention, attention_varlen
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """Record the deterministic flag each backward plan is made for; the plan stays the
+    reference path (the key is what a CUDA input would be planned with)."""
+    flags = []
+
+    def record(module):
+        def make(key, *args):
+            flags.append(key[-1])
+            return "cpu"
+        monkeypatch.setattr(module, "_make_bwd_plan", make)
+
+    record(attention)
+    record(attention_varlen)
+    attention._bwd_plans.clear()
+    attention_varlen._bwd_plans.clear()
+    return flags
+
+
+def _dense(**kwargs):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 9, 4, 32, requires_grad=True) for _ in range(3))
+    out = tco.flash_attn_func(q, k, v, causal=True, **kwargs)
+    return torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+
+def _varlen(**kwargs):
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    q, k, v = (torch.randn(12, 4, 32, requires_grad=True) for _ in range(3))
+    out = tco.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True, **kwargs)
+    return torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+
+@pytest.mark.parametrize("run", [_dense, _varlen], ids=["dense", "varlen"])
+def test_public_flag_reaches_the_backward_plan(planned, run):
+    default = run()
+    ordered = run(deterministic=True)
+    assert planned == [False, True]
+    for a, b in zip(default, ordered):  # the same math (the reference path here)
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("run", [_dense, _varlen], ids=["dense", "varlen"])
+def test_torch_deterministic_mode_reaches_the_backward_plan(planned, deterministic, run):
+    deterministic()
+    run()
+    assert planned == [True]
+
+
+def test_flag_is_keyword_only_in_the_schemas():
+    """A keyword-only schema argument: positional calls written for the earlier schema keep
+    their meaning, and sharding rules see it as a keyword."""
+    for op in ("flash_attn_fwd", "flash_attn_bwd", "flash_attn_varlen_fwd", "flash_attn_varlen_bwd"):
+        schema = getattr(torch.ops.cute, op).default._schema
+        arg = next(a for a in schema.arguments if a.name == "deterministic")
+        assert arg.kwarg_only and arg.default_value is False, op
