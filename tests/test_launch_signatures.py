@@ -1,0 +1,147 @@
+"""Every attention launch hands its compiled function what the variant was compiled for (CPU).
+
+A compiled TVM-FFI function checks each tensor's rank, static extents and dtype, and each
+scalar's kind, at call time: a launch whose argument disagrees (a 1-D placeholder where the
+signature has four dimensions) fails every call on the GPU, while CPU tests that stub the
+kernel pass. Here each launch path runs with the kernel stubbed on CPU tensors, and its
+arguments are compared, one by one, with the fake arguments the variant is compiled with.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from torch_cute_ops.kernels import build  # noqa: E402
+from torch_cute_ops.runtime import attention as flash_host  # noqa: E402
+
+_DTYPES = {"BFloat16": torch.bfloat16, "Float16": torch.float16, "Float32": torch.float32,
+           "Int32": torch.int32, "Int8": torch.int8, "Uint8": torch.uint8}
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Each stubbed launch's (spec, args); the launch plans' device helpers on the CPU."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    calls = []
+    monkeypatch.setattr(flash_host, "get_compiled",
+                        lambda spec: lambda *args: calls.append((spec, args)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(flash_host, "num_sms", lambda index: 132)
+    for name in ("zeros", "empty"):  # the placeholders are made for "cuda": make them here
+        make = getattr(torch, name)
+        monkeypatch.setattr(torch, name, functools.partial(_on_cpu, make))
+    for name in ("_unused_counter", "_mask_placeholders", "_split_placeholders"):
+        monkeypatch.setattr(flash_host, name, getattr(flash_host, name).__wrapped__)
+    return calls
+
+
+def _on_cpu(make, *args, device=None, **kwargs):
+    return make(*args, **kwargs)
+
+
+def _check_agreement(spec, args):
+    _, fakes = build(spec)
+    fakes = [f for f in fakes if type(f).__name__ != "_FakeStream"]  # the env stream is not passed
+    assert len(args) == len(fakes), (spec, len(args), len(fakes))
+    for index, (arg, fake) in enumerate(zip(args, fakes)):
+        where = f"{spec.family} argument {index}"
+        if type(fake).__name__ in ("Int32", "Int64", "int"):
+            assert isinstance(arg, int) and not isinstance(arg, bool), (where, arg)
+        elif type(fake).__name__ in ("Float32", "float"):
+            assert isinstance(arg, float), (where, arg)
+        else:
+            assert isinstance(arg, torch.Tensor), (where, type(arg))
+            assert arg.dim() == len(fake.shape), (where, tuple(arg.shape), fake.shape)
+            for dim, extent in enumerate(fake.shape):
+                if isinstance(extent, int):
+                    assert arg.shape[dim] == extent, (where, tuple(arg.shape), fake.shape)
+            assert arg.dtype == _DTYPES[str(fake.element_type)], (where, arg.dtype, fake.element_type)
+
+
+def _qkv(batch=2, seqlen_q=300, seqlen_k=300, heads=4, kv_heads=4, head_dim=128):
+    q = torch.randn(batch, seqlen_q, heads, head_dim).bfloat16()
+    k, v = (torch.randn(batch, seqlen_k, kv_heads, head_dim).bfloat16() for _ in range(2))
+    return q, k, v
+
+
+def _fwd_outputs(q):
+    return torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_launches(launches, head_dim, deterministic):
+    q, k, v = _qkv(head_dim=head_dim)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+    flash_host.plan_bwd(q, k, v, True, deterministic=deterministic)(q, q, k, v, q, lse, *grads, 0.1)
+    flash_host.plan_bwd(q, k, v, False, local=True, softcap=True, deterministic=deterministic)(
+        q, q, k, v, q, lse, *grads, 0.1, 100, 0, 30.0)
+    key_start, key_end = torch.tensor([0, 7], dtype=torch.int32), torch.tensor([300, 250], dtype=torch.int32)
+    flash_host.plan_bwd(q, k, v, True, rows="padded", deterministic=deterministic).padded(
+        q, q, k, v, q, lse, key_start, key_end, *grads, 0.1)
+    mask = torch.rand(q.shape[0], 1, q.shape[1], k.shape[1]) > 0.3
+    flash_host.plan_bwd(q, k, v, False, attn_mask="bool", deterministic=deterministic).masked(
+        q, q, k, v, q, lse, mask, *grads, 0.1)
+    cu = torch.tensor([0, 100, 600], dtype=torch.int32)
+    packed = [t.flatten(0, 1) for t in (q, k, v)]
+    flash_host.plan_bwd(*packed, True, rows="packed", deterministic=deterministic).packed(
+        packed[0], *packed, packed[0], lse.transpose(0, 1).flatten(1), cu, cu, 500, 500,
+        *[torch.empty_like(t) for t in packed], 0.1)
+    assert len(launches) == 5
+    for spec, args in launches:
+        assert spec.get("deterministic", False) == deterministic
+        _check_agreement(spec, args)
+
+
+def test_forward_launches(launches):
+    q, k, v = _qkv()
+    out, lse = _fwd_outputs(q)
+    flash_host.plan_fwd(q, k, v, False)(q, k, v, out, lse, 0.1)
+    flash_host.plan_fwd(q, k, v, True)(q, k, v, out, lse, 0.1)
+    flash_host.plan_fwd(q, k, v, False, local=True, softcap=True)(q, k, v, out, lse, 0.1, 64, 0, 30.0)
+    key_start, key_end = torch.tensor([0, 7], dtype=torch.int32), torch.tensor([300, 250], dtype=torch.int32)
+    flash_host.plan_fwd(q, k, v, True, rows="padded").padded(q, k, v, key_start, key_end, out, lse, 0.1)
+    mask = torch.rand(q.shape[0], 1, q.shape[1], k.shape[1]) > 0.3
+    flash_host.plan_fwd(q, k, v, False, attn_mask="bool").masked(q, k, v, mask, out, lse, 0.1)
+    cu = torch.tensor([0, 100, 600], dtype=torch.int32)
+    packed = [t.flatten(0, 1) for t in (q, k, v)]
+    flash_host.plan_fwd(*packed, True, rows="packed").packed(
+        *packed, cu, cu, 500, 500, torch.empty_like(packed[0]), torch.empty(4, 600), 0.1)
+    assert len(launches) == 6
+    for spec, args in launches:
+        _check_agreement(spec, args)
+
+
+def test_decode_launches(launches):
+    """One and four query tokens with grouped kv heads (pack-GQA rows), a long cache (split-KV)."""
+    for seqlen_q, seqlen_k in ((1, 300), (4, 300), (1, 32768)):
+        q, k, v = _qkv(batch=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads=32, kv_heads=8)
+        out, lse = _fwd_outputs(q)
+        flash_host.plan_fwd(q, k, v, True)(q, k, v, out, lse, 0.1)
+    specs = [spec for spec, _ in launches]
+    assert any(spec.get("split_kv") for spec in specs), "no split-KV variant was planned"
+    for spec, args in launches:
+        _check_agreement(spec, args)
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_kvcache_launches(launches, seqlen_q):
+    """A paged cache (64-token pages, shuffled page table), one and four query tokens."""
+    q, _, _ = _qkv(batch=2, seqlen_q=seqlen_q, heads=32, kv_heads=8)
+    k_cache, v_cache = (torch.randn(40, 64, 8, 128).bfloat16() for _ in range(2))
+    page_table = torch.randperm(40, dtype=torch.int32).view(2, 20)
+    key_lengths = torch.tensor([1000, 77], dtype=torch.int32)
+    config = flash_host.kvcache_config(128, 64)
+    rows_view = k_cache.reshape(1, -1, 8, 128)
+    plan = flash_host.plan_fwd(q, rows_view, rows_view, True, config, rows="kvcache", keys_per_entry=20 * 64)
+    out, lse = _fwd_outputs(q)
+    plan.kvcache(q, k_cache, v_cache, key_lengths, page_table, 64, out, lse, 0.1)
+    (spec, args), = launches
+    assert spec["rows"] == "kvcache"
+    _check_agreement(spec, args)
