@@ -21,15 +21,14 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_gemm import ANCHOR_SHAPES, LLM_SHAPES  # noqa: E402
+from bench.interleave import time_interleaved  # noqa: E402
 
 # DeepGEMM README (February 2025), normal dense GEMMs, H800 SXM, blockwise scales, bf16 out:
 # TFLOP/s as published there, not measured here
@@ -108,15 +107,9 @@ def main():
                                        0, config, b_dtype=qb.dtype, scale_mode=mode)
                 if not isinstance(extra_plan, str):
                     calls[f"{mode} {name}"] = (lambda p=extra_plan, t=(qa, qb, sa, sb): p(*t, None, out))
-        times = {name: [] for name, fn in calls.items() if fn is not None}
-        for fn in calls.values():
-            if fn is not None:
-                fn()  # compile outside the timing
-        for _ in range(args.rounds):
-            for name in times:
-                times[name].append(do_bench(calls[name], warmup=25, rep=100, return_mode="median"))
+        times = time_interleaved({name: fn for name, fn in calls.items() if fn is not None}, args.rounds)
         row = {"shape": [m, n, k]}
-        row.update({name: tflops(m, n, k, statistics.median(t)) for name, t in times.items()})
+        row.update({name: tflops(m, n, k, ms) for name, ms in times.items()})
         row["tensor/torch"] = row["tco tensor"] / row["torch tensor"]
         row["row/torch"] = row["tco row"] / row["torch row"]
         row["block/row"] = row["tco block"] / row["tco row"] if block else None

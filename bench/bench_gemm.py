@@ -2,8 +2,8 @@
 
     python bench/bench_gemm.py --out DIR [--quick]
 
-Times every shape with triton.testing.do_bench (median, warmed-up JIT, random bf16
-data), A (M, K) and B (K, N) row-major, through the public API (``tco.gemm``) beside
+Times every shape with triton.testing.do_bench (medians, warmed-up JIT, random bf16
+data, providers interleaved over ``--rounds`` rounds), A (M, K) and B (K, N) row-major, through the public API (``tco.gemm``) beside
 cuBLAS (``torch.matmul``) and QuACK (``quack.gemm_interface.gemm``), plus a bare-kernel
 column (the cached launch plan called directly: no validation, dispatch or allocation), and
 prints TFLOP/s and ratios; also the fused bias + gelu_tanh epilogue against torch.addmm +
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.interleave import time_interleaved  # noqa: E402
 
 ANCHOR_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 8192, 1024), (16384, 8192, 4096),
                  (4096, 14336, 4096), (1024, 4096, 4096)]
@@ -35,10 +35,6 @@ FUSED_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 14336, 4096), (16
 
 def tflops(m, n, k, ms):
     return 2 * m * n * k / ms / 1e9
-
-
-def bench(fn, rep=100):
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
 def quack_gemm():
@@ -56,6 +52,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="anchor shapes only")
     parser.add_argument("--configs", default="", help="extra configs to time per shape, e.g. "
                         "'128x256c2x1,pp128x128c2x1' (pp = ping-pong)")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -103,11 +100,14 @@ def main():
         b = torch.randn(k, n, device="cuda", dtype=dtype)
         c = choose_config("sm_90a", m, n, k, 1, sm_count)
         row = {"shape": [m, n, k], "config_short": f"{c.tile_m}x{c.tile_n} c{c.cluster_m}x{c.cluster_n}"}
-        row["ours"] = tflops(m, n, k, bench(ours(a, b)))
-        row["cublas"] = tflops(m, n, k, bench(lambda: torch.matmul(a, b)))
-        row["quack"] = tflops(m, n, k, bench(lambda: quack(a, b))) if quack else None
-        row["bare"] = tflops(m, n, k, bench(bare(a, b)))
-        row["configs"] = {name: tflops(m, n, k, bench(ours(a, b, config=c))) for name, c in extra.items()}
+        calls = {"ours": ours(a, b), "cublas": lambda: torch.matmul(a, b), "bare": bare(a, b)}
+        if quack:
+            calls["quack"] = lambda: quack(a, b)
+        calls.update({f"config {name}": ours(a, b, config=c) for name, c in extra.items()})
+        times = time_interleaved(calls, args.rounds)
+        row.update({name: tflops(m, n, k, times[name]) for name in ("ours", "cublas", "bare")})
+        row["quack"] = tflops(m, n, k, times["quack"]) if quack else None
+        row["configs"] = {name: tflops(m, n, k, times[f"config {name}"]) for name in extra}
         results["gemm"].append(row)
         quack_cols = f"{row['quack']:6.0f} {row['ours'] / row['quack']:6.2f}" if quack else f"{'-':>6} {'-':>6}"
         print(f"{m:>6} x {n:>5} x {k:>5} {row['config_short']:>16} {row['ours']:6.0f} {row['cublas']:6.0f} "
@@ -119,9 +119,12 @@ def main():
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         b = torch.randn(k, n, device="cuda", dtype=dtype)
         bias = torch.randn(n, device="cuda", dtype=dtype)
-        ours_t = tflops(m, n, k, bench(ours(a, b, bias, "gelu_tanh")))
-        eager_t = tflops(m, n, k, bench(lambda: F.gelu(torch.addmm(bias, a, b), approximate="tanh")))
-        configs = {name: tflops(m, n, k, bench(ours(a, b, bias, "gelu_tanh", c))) for name, c in extra.items()}
+        calls = {"ours": ours(a, b, bias, "gelu_tanh"),
+                 "eager": lambda: F.gelu(torch.addmm(bias, a, b), approximate="tanh")}
+        calls.update({f"config {name}": ours(a, b, bias, "gelu_tanh", c) for name, c in extra.items()})
+        times = time_interleaved(calls, args.rounds)
+        ours_t, eager_t = tflops(m, n, k, times["ours"]), tflops(m, n, k, times["eager"])
+        configs = {name: tflops(m, n, k, times[f"config {name}"]) for name in extra}
         results["fused"].append({"shape": [m, n, k], "ours": ours_t, "addmm_gelu": eager_t, "configs": configs})
         print(f"{m:>6} x {n:>5} x {k:>5} {ours_t:6.0f} {eager_t:10.0f} {ours_t / eager_t:6.2f}  "
               + " ".join(f"{name} {t:.0f}" for name, t in configs.items()))

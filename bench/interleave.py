@@ -8,6 +8,19 @@ import torch
 from triton.testing import do_bench
 
 
+def time_interleaved(calls: dict, rounds: int, warmup: int = 25, rep: int = 100) -> dict:
+    """``{name: median ms}``: each call run once first (compiles stay out of the timing), then
+    timed once per round, round after round (providers interleaved), the median of the rounds'
+    ``triton.testing.do_bench`` medians."""
+    for fn in calls.values():
+        fn()
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            times[name].append(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def time_fwd_bwd(calls: dict, inputs: tuple, dout: torch.Tensor, rounds: int) -> tuple[dict, dict]:
     """``{"<name> fwd"|"<name> bwd": median ms}`` and each call's output.
 
