@@ -138,44 +138,52 @@ def test_flash_bwd_matches_fp32_reference(case):
         assert ours[0][:, : seqlen_q - seqlen_k].abs().max().item() == 0.0
 
 
-@pytest.mark.parametrize("case", ["causal", "causal-short-q", "window", "window-both-sides", "varlen",
-                                  "gqa-full", "mask"])
+@pytest.mark.parametrize("case", ["causal", "causal-short-q", "window", "window-both-sides", "varlen", "padded",
+                                  "gqa-full", "mask", "d64-full", "d256-causal", "public-flag"])
 def test_deterministic_mode_gives_bitwise_reproducible_gradients(case):
-    """torch.use_deterministic_algorithms(True) selects the ordered backward variant (dQ's key
-    blocks added from the last one down, each waiting for its turn): on the kernels (no
-    fallback), two runs give identical bytes, and the gradients match the default variant's to
-    the usual tolerance. The cases cover each way a turn is counted (dense, causal with either
-    length longer, windows, ragged lengths, a mask's block ranges)."""
+    """torch.use_deterministic_algorithms(True) (or ``deterministic=True`` on the public function)
+    selects the ordered backward variant (dQ's key blocks added from the last one down, each
+    waiting for its turn): on the kernels (no fallback), three runs give identical bytes, and
+    the gradients match the default variant's to the usual tolerance. The cases cover each way a
+    turn is counted (dense, causal with either length longer, windows, ragged and padded
+    lengths, a mask's block ranges) and the head dims' tile shapes."""
     import torch_cute_ops as tco
     from torch_cute_ops.ops import fallback
 
     torch.manual_seed(0)
     heads_kv = 2 if case == "gqa-full" else 4
     seqlen_q = 700 if case == "causal-short-q" else 1500
-    make = lambda heads, seqlen: torch.randn(2, seqlen, heads, 128, device="cuda",  # noqa: E731
+    head_dim = {"d64-full": 64, "d256-causal": 256}.get(case, 128)
+    make = lambda heads, seqlen: torch.randn(2, seqlen, heads, head_dim, device="cuda",  # noqa: E731
                                              dtype=torch.bfloat16, requires_grad=True)
     q, k, v = make(4, seqlen_q), make(heads_kv, 1500), make(heads_kv, 1500)
-    dout = torch.randn(2, seqlen_q, 4, 128, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(2, seqlen_q, 4, head_dim, device="cuda", dtype=torch.bfloat16)
+    flag = {"deterministic": True} if case == "public-flag" else {}
     if case == "varlen":
         cu = torch.tensor([0, 700, 3000], dtype=torch.int32, device="cuda")
-        call = lambda: tco.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu,  # noqa: E731
-                                                  2300, 2300, causal=True).unflatten(0, (2, 1500))
+        call = lambda **det: tco.flash_attn_varlen_func(  # noqa: E731
+            q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 2300, 2300, causal=True,
+            **det).unflatten(0, (2, 1500))
     elif case == "mask":  # a causal mask with a ragged band of holes: partial and empty blocks
         keep = torch.ones(1500, 1500, dtype=torch.bool, device="cuda").tril()
         keep[300:900, 100:400] = False
         keep[:, 0] = True
-        call = lambda: tco.scaled_dot_product_attention(  # noqa: E731
+        call = lambda **det: tco.scaled_dot_product_attention(  # noqa: E731
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep).transpose(1, 2)
+    elif case == "padded":  # left padding in one entry, right padding in the other
+        bounds = {"key_start": torch.tensor([0, 333], dtype=torch.int32, device="cuda"),
+                  "key_end": torch.tensor([1201, 1500], dtype=torch.int32, device="cuda")}
+        call = lambda **det: tco.flash_attn_func(q, k, v, causal=True, **bounds, **det)  # noqa: E731
     else:
         window = {"window": (300, 0), "window-both-sides": (200, 150)}.get(case, (-1, -1))
-        kwargs = {"causal": case in ("causal", "causal-short-q", "window"), "window_size": window}
-        call = lambda: tco.flash_attn_func(q, k, v, **kwargs)  # noqa: E731
+        kwargs = {"causal": case not in ("gqa-full", "window-both-sides", "d64-full"), "window_size": window}
+        call = lambda **det: tco.flash_attn_func(q, k, v, **kwargs, **det)  # noqa: E731
     default = torch.autograd.grad(call(), (q, k, v), dout)
     was, was_warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(not flag)
         fallback.reset()
-        runs = [torch.autograd.grad(call(), (q, k, v), dout) for _ in range(3)]
+        runs = [torch.autograd.grad(call(**flag), (q, k, v), dout) for _ in range(3)]
         assert not fallback.counts(), fallback.counts()
     finally:
         torch.use_deterministic_algorithms(was, warn_only=was_warn_only)

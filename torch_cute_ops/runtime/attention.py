@@ -108,6 +108,7 @@ def kernel_band(causal: bool, window_left, window_right, seqlen_q: int, seqlen_k
     return False, True, left, right
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of a few flags: plans rebuilt per new size reuse it
 def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
              arch: str = "sm_90a", local: bool = False, softcap: bool = False,
              rows: str = "dense", attn_mask: str = "none", split_kv: bool = False,
@@ -139,6 +140,7 @@ STAT_PAD = 128  # lse and delta rows are padded to whole query blocks for their 
 DQ_BLOCK_ROWS = 64  # the backward's query tile (every head dim): the dQ accumulator's blocks
 
 
+@functools.lru_cache(maxsize=None)
 def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False,
              softcap: bool = False, rows: str = "dense", attn_mask: str = "none",
              deterministic: bool = False) -> KernelSpec:
