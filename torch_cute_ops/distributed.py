@@ -62,7 +62,7 @@ def _all_replicated(args, outputs: int):
 
 @register_sharding(cute.gemm.default)
 def _gemm_sharding(*args, **kwargs):
-    a, b = args[0], args[1]
+    a = args[0]
     bias = args[2] if len(args) > 2 else None
     activation = args[3] if len(args) > 3 else kwargs.get("activation")
     batched = len(a.shape) == 3

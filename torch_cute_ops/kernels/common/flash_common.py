@@ -5,6 +5,8 @@
 * :class:`KeyRange`: which key blocks a query block visits (causal is bottom-right
   aligned: query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``; a local
   window bounds the band on both sides) and which of them need a mask;
+  :func:`query_block_range` / :func:`key_blocks_reaching`: its transpose, which query blocks
+  a key block visits (the backward's loop) and how many key blocks reach a query block;
 * :func:`mask_scores`: -inf outside the causal or local band and past ``seqlen_k``;
 * :func:`apply_softcap`: logit soft-capping before the mask and the softmax;
 * :func:`apply_attn_mask`: PyTorch's ``attn_mask`` (bool or additive) on the key blocks that
@@ -213,6 +215,41 @@ class KeyRange(DslState):
                 first_key_last_row = last_row + offset - left
                 self.n_block_min = cutlass.max(first_key_first_row, 0) // tile_n
                 self.n_block_min_unmasked = (cutlass.max(first_key_last_row, 0) + tile_n - 1) // tile_n
+
+
+@cute.jit
+def query_block_range(n_block: Int32, seqlen_q, seqlen_k, left: Int32, right: Int32, tile_m: cutlass.Constexpr[int],
+                      tile_n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool],
+                      local: cutlass.Constexpr[bool]):
+    """``(m_block_min, m_block_max)``: the query blocks with a row that sees a key of key block
+    ``n_block`` (the band of :class:`KeyRange`, transposed); empty (max == min) when no query
+    sees these keys. Both ends grow with ``n_block``."""
+    m_block_max = cute.ceil_div(seqlen_q, tile_m)
+    m_block_min = Int32(0)
+    offset = seqlen_k - seqlen_q
+    if const_expr(causal or local):
+        right = Int32(0) if const_expr(causal) else right
+        first_row = n_block * tile_n - offset - right
+        m_block_min = cutlass.max(first_row, 0) // tile_m
+    if const_expr(local):
+        last_key = cutlass.min((n_block + 1) * tile_n, seqlen_k) - 1
+        rows_end = last_key - offset + left + 1  # one past the last row that sees it
+        m_block_max = cutlass.min(m_block_max, (cutlass.max(rows_end, 0) + tile_m - 1) // tile_m)
+        m_block_max = cutlass.max(m_block_max, m_block_min)
+    return m_block_min, m_block_max
+
+
+@cute.jit
+def key_blocks_reaching(m_block: Int32, seqlen_q, seqlen_k, right: Int32, tile_m: cutlass.Constexpr[int],
+                        tile_n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool]):
+    """Causal or local bands: one past the last key block whose :func:`query_block_range`
+    holds query block ``m_block`` (not capped at the key blocks that exist). Since both ends of
+    that range grow with the key block, the key blocks reaching a query block are one run: key
+    block j reaches it iff its first row ``j * tile_n - offset - right`` lies before the query
+    block's end."""
+    right = Int32(0) if const_expr(causal) else right
+    end = (m_block + 1) * tile_m + seqlen_k - seqlen_q + right
+    return cute.ceil_div(cutlass.max(end, 0), tile_n)
 
 
 @cute.jit

@@ -2,9 +2,8 @@
 
 One compiled function runs three kernels on the current stream:
 
-1. preprocess: ``delta = rowsum(dO * O)`` and ``lse * log2(e)`` (fp32, (B, H, S_q)
-   padded to whole query blocks so that TMA can load them) and zero the fp32 dQ
-   accumulator (B, S_q, H, D);
+1. preprocess (flash_bwd_rows.py): ``delta = rowsum(dO * O)`` and ``lse * log2(e)`` (fp32,
+   (B, H, S_q) padded to whole query blocks so that TMA can load them);
 2. main kernel, one CTA per (key block, kv head, batch):
    * warpgroup 0, warp 0 (24 registers after ``setmaxnreg``): TMA producer. It loads
      the K and V tiles once (they stay resident in smem), then streams the Q tiles with
@@ -25,8 +24,8 @@ One compiled function runs three kernels on the current stream:
      order (each thread's values in 16-byte groups, a warp's groups contiguous: vector
      stores without bank conflicts, one base address), and the accumulator keeps that
      order: a (B, H, query block, warpgroup, tile) buffer that the postprocess puts back;
-3. postprocess: scale the fp32 dQ accumulator by the softmax scale and convert it to the input
-   dtype.
+3. postprocess (flash_bwd_rows.py): scale the fp32 dQ accumulator by the softmax scale and
+   convert it to the input dtype.
 
 Determinism: dK and dV are deterministic (a CTA owns its key block and loops over the
 query heads of its kv head in a fixed order, so GQA needs no atomics). dQ is summed by
@@ -58,14 +57,15 @@ from ...runtime.attention import DQ_BLOCK_ROWS as _DQ_BLOCK_ROWS
 from ...runtime.attention import STAT_PAD as _STAT_PAD
 from ...runtime.spec import KernelSpec
 from ..common.flash_common import (
-    BLOCK_FULL, LOG2_E, acc_as_rows_cols, apply_attn_mask, apply_softcap, convert_to_16bit, mask_scores,
-    tiled_wgmma, transposed_view,
+    BLOCK_FULL, LOG2_E, acc_as_rows_cols, apply_attn_mask, apply_softcap, convert_to_16bit, key_blocks_reaching,
+    mask_scores, query_block_range, tiled_wgmma, transposed_view,
 )
 from ..common.bulk import (
     add_release_gpu, bulk_reduce_add_f32, fence_proxy_async_global, load_acquire_gpu, nanosleep,
 )
 from ..common.mask_args import mask_fakes
 from ..common.seqlen import SeqBounds, store_rows
+from .flash_bwd_rows import FlashBwdRowKernels, accumulator_order
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
@@ -141,13 +141,7 @@ class FlashBwdSm90:
         self.dq_cols = head_dim // 2  # each MMA warpgroup owns half of the dQ columns
         assert tile_m == _DQ_BLOCK_ROWS, "the dQ accumulator's blocks are the query tiles"
         self.dq_chunk = tile_m * self.dq_cols  # one warpgroup's dQ tile, fp32
-        # pre/postprocess: a group of threads per (b, s, h) row, 16 contiguous bytes of
-        # dO/O/dQ per thread and chunk, so that a warp reads whole 128-byte lines
-        chunks = head_dim // 8
-        self.threads_per_row = 8 if chunks % 8 == 0 else 4
-        self.chunks_per_thread = chunks // self.threads_per_row
-        self.row_threads = 128
-        self.rows_per_cta = self.row_threads // self.threads_per_row
+        self.row_kernels = FlashBwdRowKernels(dtype, head_dim, tile_m, rows)  # pre/postprocess
         # With two 64-key halves per block, S and dP are computed transposed (S^T = K Q^T,
         # keys along WGMMA's M): each warpgroup then holds P^T and dS^T of its own keys in
         # registers, exactly the A operands of dV += P^T dO and dK += dS^T Q, and only dS
@@ -195,15 +189,15 @@ class FlashBwdSm90:
             seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
             padded_q = cute.ceil_div(max_seqlen_q, _STAT_PAD) * _STAT_PAD
         heads, keys_extent = cute.size(mQ.shape[2]), mK.shape[1]
-        self._preprocess_kernel(mO, mdO, mLSE, mDelta, mLSElog2, mSeqInfoQ, mSeqInfoK,
-                                keys_extent).launch(
-            grid=(cute.ceil_div(padded_q * heads, self.rows_per_cta), batch, 1),
-            block=[self.row_threads, 1, 1], stream=stream)
+        rows = self.row_kernels
+        rows.preprocess(mO, mdO, mLSE, mDelta, mLSElog2, mSeqInfoQ, mSeqInfoK, keys_extent).launch(
+            grid=(cute.ceil_div(padded_q * heads, rows.rows_per_cta), batch, 1),
+            block=[rows.row_threads, 1, 1], stream=stream)
         self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mDqOrder, mSeqInfoQ, mSeqInfoK,
                           (mMask, mMaskBlocks, mMaskRange), batch, seqlen_k, softmax_scale, window_left,
                           window_right, softcap, stream)
-        self._postprocess_kernel(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent, softmax_scale,
-                                 self._make_mmas()[2]).launch(
+        rows.postprocess(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent, softmax_scale,
+                         self._make_mmas()[2]).launch(
             grid=(cute.ceil_div(seqlen_q, self.tile_m), heads, batch),
             block=[_NUM_MMA_THREADS, 1, 1], stream=stream)
 
@@ -296,71 +290,6 @@ class FlashBwdSm90:
             return softcap * LOG2_E, softmax_scale / softcap
         return softmax_scale * LOG2_E, softmax_scale
 
-    # ---------------------------------------------------------------- pre/postprocess
-    @cute.jit
-    def _row_coords(self, num_h):
-        """This thread's (b, s, h) row (h fastest; the batch entry is the grid's y) and its
-        lane in the row's thread group."""
-        tidx = cute.arch.thread_idx()[0]
-        row = cute.arch.block_idx()[0] * self.rows_per_cta + tidx // self.threads_per_row
-        return cute.arch.block_idx()[1], row // num_h, row % num_h, tidx % self.threads_per_row
-
-    @cute.kernel
-    def _preprocess_kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                           mDelta: cute.Tensor, mLSElog2: cute.Tensor,
-                           mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor, keys_extent: Int32):
-        b, s, h, lane = self._row_coords(mO.shape[2])
-        bounds = SeqBounds(b, mO.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
-        padded_q = mDelta.shape[2]
-        if const_expr(self.ragged):
-            padded_q = cute.ceil_div(bounds.seqlen_q, _STAT_PAD) * _STAT_PAD
-        in_seq = s < bounds.seqlen_q
-        q_row, q_entry = bounds.q_index(s, b)
-        stat_row, stat_entry = bounds.padded_index(s, b)
-        row_sum = Float32(0.0)
-        if in_seq:
-            o_row, do_row = mO[q_entry, q_row, h, None], mdO[q_entry, q_row, h, None]
-            for k in cutlass.range_constexpr(self.chunks_per_thread):
-                chunk = lane + k * self.threads_per_row
-                o = cute.local_tile(o_row, (8,), (chunk,)).load().to(Float32)
-                do = cute.local_tile(do_row, (8,), (chunk,)).load().to(Float32)
-                row_sum += (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        # every lane shuffles, valid row or not: the groups never straddle rows
-        total = cute.arch.warp_reduction_sum(row_sum, threads_in_group=self.threads_per_row)
-        if s < padded_q:
-            if lane == 0:
-                # rows past seqlen_q and rows that attend to nothing (lse = -inf) get
-                # lse = +inf, so that P = exp2(S - lse) = 0 there and their gradient is zero
-                lse = Float32(-math.inf)
-                if in_seq:
-                    lse = mLSE[q_entry, h, q_row]
-                mLSElog2[stat_entry, h, stat_row] = cutlass.select_(lse == -math.inf, math.inf, lse * LOG2_E)
-                mDelta[stat_entry, h, stat_row] = total
-
-    @cute.kernel
-    def _postprocess_kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mSeqInfoQ: cute.Tensor,
-                            mSeqInfoK: cute.Tensor, keys_extent: Int32, softmax_scale: Float32,
-                            mma_dq: cute.TiledMma):
-        """One query block of one head: its two warpgroup tiles read in accumulator order, each
-        value put back at the (row, col) the dQ GEMM's C partition gives it, times the softmax
-        scale (the main loop adds unscaled dS K), in the input dtype."""
-        tidx = cute.arch.thread_idx()[0]
-        m_block, h, b = cute.arch.block_idx()
-        bounds = SeqBounds(b, mdQ.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
-        if m_block * self.tile_m < bounds.seqlen_q:
-            row0, entry = bounds.padded_index(m_block * self.tile_m, b)
-            tile = mdQacc[entry, h, row0 // self.tile_m, tidx // 128, None]
-            coords = mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-            values = cute.size(coords)
-            acc = cute.make_rmem_tensor((4, values // 4), Float32)
-            cute.autovec_copy(_accumulator_order(tile, tidx % 128, values), acc)
-            for i in cutlass.range_constexpr(values):
-                row, col = coords[i]
-                s_row = m_block * self.tile_m + row
-                if s_row < bounds.seqlen_q:
-                    q_row, q_entry = bounds.q_index(s_row, b)
-                    mdQ[q_entry, q_row, h, col] = (acc[i % 4, i // 4] * softmax_scale).to(self.dtype)
-
     # ---------------------------------------------------------------- main kernel
     @cute.kernel
     def _main_kernel(
@@ -448,24 +377,10 @@ class FlashBwdSm90:
             return n_block * self.tile_n < bounds.seqlen_k
         return True
 
-    @cute.jit
     def _m_block_range(self, n_block: Int32, seqlen_q, seqlen_k, window_left: Int32, window_right: Int32):
-        """Query blocks that see key block n_block: the transpose of flash_common.KeyRange
-        (query i sees key j iff i + offset - left <= j <= i + offset + right, causal: right = 0
-        and no left edge). Empty (max == min) when no query sees these keys."""
-        m_block_max = cute.ceil_div(seqlen_q, self.tile_m)
-        m_block_min = Int32(0)
-        offset = seqlen_k - seqlen_q
-        if const_expr(self.causal or self.local):
-            right = Int32(0) if const_expr(self.causal) else window_right
-            first_row = n_block * self.tile_n - offset - right
-            m_block_min = cutlass.max(first_row, 0) // self.tile_m
-        if const_expr(self.local):
-            last_key = cutlass.min((n_block + 1) * self.tile_n, seqlen_k) - 1
-            rows_end = last_key - offset + window_left + 1  # one past the last row that sees it
-            m_block_max = cutlass.min(m_block_max, (cutlass.max(rows_end, 0) + self.tile_m - 1) // self.tile_m)
-            m_block_max = cutlass.max(m_block_max, m_block_min)
-        return m_block_min, m_block_max
+        """Query blocks that see key block ``n_block``: ``(m_block_min, m_block_max)``."""
+        return query_block_range(n_block, seqlen_q, seqlen_k, window_left, window_right, self.tile_m, self.tile_n,
+                                 self.causal, self.local)
 
     @cute.jit
     def _produce(self, tma_q, tma_do, tma_K, tma_V, m_q, m_do, mK, mV, smem,
@@ -526,20 +441,14 @@ class FlashBwdSm90:
         return [(tScS[r, 0][0], [(r, c) for c in range(cols)]) for r in range(rows)]
 
     @cute.jit
-    def _consume(self, mdK, mdV, mdK_rows, mdV_rows, tma_dK, tma_dV,
-                 mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
-                 scale_log2, cap_scale, softmax_scale, n_block, kv_head, batch, group,
-                 m_block_min, m_block_max, bounds: SeqBounds, window_left, window_right, user_mask):
-        seqlen_q, seqlen_k = bounds.seqlen_q, bounds.seqlen_k
-        mMask, mMaskBlocks, inv_scale = user_mask
-        tidx = cute.arch.thread_idx()[0] - 128
-        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+    def _operand_fragments(self, mma_sdp, mma_dkv, mma_dq, smem, wg_idx, tidx):
+        """The WGMMA operands of one MMA warpgroup (smem descriptors; with swap_sdp, the layout of
+        P^T and dS^T as register-sourced A operands instead of their smem copies)."""
+        sQ, sdO, sK, sV, sdS = smem["sQ"], smem["sdO"], smem["sK"], smem["sV"], smem["sdS"]
         swap = self.swap_sdp
-        sQ, sdO, sK, sV = smem["sQ"], smem["sdO"], smem["sK"], smem["sV"]
-        sdS, sdQ, sLSE, sDelta = smem["sdS"], smem["sdQ"], smem["sLSE"], smem["sDelta"]
-
-        # WGMMA operands: smem descriptors per warpgroup. Transposed, K and V are the A
-        # operands of S^T and dP^T and the staged Q and dO the B operands.
+        a_regs = tdVrPt = tdKrdSt = None
+        # Transposed (swap), K and V are the A operands of S^T and dP^T and the staged Q and dO
+        # the B operands.
         wg_sdp = mma_sdp.get_slice(wg_idx * 128)
         if const_expr(swap):
             tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
@@ -566,6 +475,22 @@ class FlashBwdSm90:
         wg_dq = mma_dq.get_slice(wg_idx * 128)
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(transposed_view(sdS) if const_expr(swap) else sdS))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
+        return tSrQ, tSrK, tdPrdO, tdPrV, tdVrdOt, tdKrQt, a_regs, tdVrPt, tdKrdSt, tdQrdS, tdQrKt
+
+    @cute.jit
+    def _consume(self, mdK, mdV, mdK_rows, mdV_rows, tma_dK, tma_dV,
+                 mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
+                 scale_log2, cap_scale, softmax_scale, n_block, kv_head, batch, group,
+                 m_block_min, m_block_max, bounds: SeqBounds, window_left, window_right, user_mask):
+        seqlen_q, seqlen_k = bounds.seqlen_q, bounds.seqlen_k
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        swap = self.swap_sdp
+        sK, sV = smem["sK"], smem["sV"]
+        sdS, sdQ, sLSE, sDelta = smem["sdS"], smem["sdQ"], smem["sLSE"], smem["sDelta"]
+
+        (tSrQ, tSrK, tdPrdO, tdPrV, tdVrdOt, tdKrQt, a_regs, tdVrPt, tdKrdSt, tdQrdS,
+         tdQrKt) = self._operand_fragments(mma_sdp, mma_dkv, mma_dq, smem, wg_idx, tidx)
 
         # accumulators
         sdp_tile = (self.tile_n, self.tile_m) if const_expr(swap) else (self.tile_m, self.tile_n)
@@ -593,10 +518,10 @@ class FlashBwdSm90:
         ).get_slice(tidx)
         tdSsdS = store_PdS.partition_D(sdS)
         if const_expr(not swap):
-            tPsP = store_PdS.partition_D(sP)
+            tPsP = store_PdS.partition_D(smem["sP"])
         # dQ registers -> this warpgroup's fp32 smem tile (columns split across warpgroups), in
         # accumulator order: 16-byte groups, a warp's contiguous
-        tdQsdQ = _accumulator_order(sdQ[None, wg_idx], tidx % 128, cute.size(acc_dQ))
+        tdQsdQ = accumulator_order(sdQ[None, wg_idx], tidx % 128, cute.size(acc_dQ))
         tdQrdQ = cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape, stride=(1, 4)))
 
         by_query = self._by_query(tScS)
@@ -629,24 +554,8 @@ class FlashBwdSm90:
             warpgroup.wait_group(1)
 
             # P = exp2(S * scale * log2(e) - lse * log2(e))
-            if const_expr(self.softcap):  # capped before the mask: masked scores stay -inf
-                apply_softcap(acc_S, cap_scale)
-            if const_expr(self.masked):  # attn_mask values where the block is not full
-                if mMaskBlocks[batch, head, m_block, n_block] != BLOCK_FULL:
-                    apply_attn_mask(acc_S, tScS, mMask[batch, head, None, None], m_block * self.tile_m,
-                                    n_block * self.tile_n, seqlen_q, seqlen_k, self.attn_mask == "add",
-                                    inv_scale, keys_in_rows=swap)
-            needs_mask = last_key >= seqlen_k
-            if const_expr(self.causal):
-                needs_mask = needs_mask | (last_key > m_block * self.tile_m + offset)
-            if const_expr(self.local):  # the block crosses the band's right or left edge
-                needs_mask = needs_mask | (last_key > m_block * self.tile_m + offset + window_right)
-                needs_mask = needs_mask | (n_block * self.tile_n < (m_block + 1) * self.tile_m - 1
-                                           + offset - window_left)
-            if needs_mask:
-                mask_scores(acc_S, tScS, t0ScS, m_block * self.tile_m, n_block * self.tile_n,
-                            seqlen_q, seqlen_k, self.causal, True, keys_in_rows=swap,
-                            local=self.local, left=window_left, right=window_right)
+            self._cap_and_mask(acc_S, tScS, t0ScS, cap_scale, m_block, n_block, head, batch, last_key, offset,
+                               seqlen_q, seqlen_k, window_left, window_right, user_mask)
             for query, coords in by_query:
                 lse_log2 = sLSE[query, q_idx]
                 for rc in coords:
@@ -665,20 +574,7 @@ class FlashBwdSm90:
 
             # dS = P * (dP - delta)
             warpgroup.wait_group(1 if const_expr(swap) else 0)  # dP done (dV in flight)
-            for query, coords in by_query:
-                delta = sDelta[query, do_idx]
-                if const_expr(self.softcap):
-                    lse_log2 = sLSE[query, q_idx]
-                for rc in coords:
-                    p = acc_S_rc[rc]
-                    acc_dP_rc[rc] = p * (acc_dP_rc[rc] - delta)
-                    if const_expr(self.softcap):
-                        # clamped to tanh's range: P = 0 (masked, underflowed, or a row whose
-                        # lse is +inf) then gives a finite factor times dS = 0
-                        tanh_u = (cute.math.log2(cute.arch.fmax(p, Float32(1e-37)), fastmath=True)
-                                  + lse_log2) * inv_scale_log2
-                        tanh_u = cute.arch.fmin(cute.arch.fmax(tanh_u, Float32(-1.0)), Float32(1.0))
-                        acc_dP_rc[rc] = acc_dP_rc[rc] * (1.0 - tanh_u * tanh_u)
+            self._dscores(acc_S_rc, acc_dP_rc, by_query, sDelta, sLSE, q_idx, do_idx, inv_scale_log2)
             rdS = _to_dtype(acc_dP, self.dtype)
             if const_expr(swap and self.num_stages == 1):
                 # single dS buffer: the other warpgroup's dQ of the previous block read it
@@ -715,6 +611,52 @@ class FlashBwdSm90:
 
         self._store_dkv(acc_dK, acc_dV, softmax_scale, mma_dkv, sK, sV, tma_dK, tma_dV,
                         mdK, mdV, mdK_rows, mdV_rows, tidx, n_block, kv_head, batch, bounds)
+
+    @cute.jit
+    def _cap_and_mask(self, acc_S, tScS, t0ScS, cap_scale, m_block, n_block, head, batch, last_key, offset,
+                      seqlen_q, seqlen_k, window_left, window_right, user_mask):
+        """Scores of one (query block, key block) before the exp: softcap, then the attn_mask's
+        values where its block summary says partial, then -inf outside the band and past the
+        keys when the block crosses an edge."""
+        mMask, mMaskBlocks, inv_scale = user_mask
+        if const_expr(self.softcap):  # capped before the mask: masked scores stay -inf
+            apply_softcap(acc_S, cap_scale)
+        if const_expr(self.masked):  # attn_mask values where the block is not full
+            if mMaskBlocks[batch, head, m_block, n_block] != BLOCK_FULL:
+                apply_attn_mask(acc_S, tScS, mMask[batch, head, None, None], m_block * self.tile_m,
+                                n_block * self.tile_n, seqlen_q, seqlen_k, self.attn_mask == "add",
+                                inv_scale, keys_in_rows=self.swap_sdp)
+        needs_mask = last_key >= seqlen_k
+        if const_expr(self.causal):
+            needs_mask = needs_mask | (last_key > m_block * self.tile_m + offset)
+        if const_expr(self.local):  # the block crosses the band's right or left edge
+            needs_mask = needs_mask | (last_key > m_block * self.tile_m + offset + window_right)
+            needs_mask = needs_mask | (n_block * self.tile_n < (m_block + 1) * self.tile_m - 1
+                                       + offset - window_left)
+        if needs_mask:
+            mask_scores(acc_S, tScS, t0ScS, m_block * self.tile_m, n_block * self.tile_n,
+                        seqlen_q, seqlen_k, self.causal, True, keys_in_rows=self.swap_sdp,
+                        local=self.local, left=window_left, right=window_right)
+
+    @cute.jit
+    def _dscores(self, acc_S_rc, acc_dP_rc, by_query, sDelta, sLSE, q_idx, do_idx, inv_scale_log2):
+        """dP -> dS = P * (dP - delta) in place, per query row (delta and lse from the stages
+        ``do_idx`` and ``q_idx``); softcap also multiplies by d(softcap * tanh(u)) / du = 1 - tanh(u)^2, with
+        tanh(u) recovered from P (see :meth:`_consume`)."""
+        for query, coords in by_query:
+            delta = sDelta[query, do_idx]
+            if const_expr(self.softcap):
+                lse_log2 = sLSE[query, q_idx]
+            for rc in coords:
+                p = acc_S_rc[rc]
+                acc_dP_rc[rc] = p * (acc_dP_rc[rc] - delta)
+                if const_expr(self.softcap):
+                    # clamped to tanh's range: P = 0 (masked, underflowed, or a row whose
+                    # lse is +inf) then gives a finite factor times dS = 0
+                    tanh_u = (cute.math.log2(cute.arch.fmax(p, Float32(1e-37)), fastmath=True)
+                              + lse_log2) * inv_scale_log2
+                    tanh_u = cute.arch.fmin(cute.arch.fmax(tanh_u, Float32(-1.0)), Float32(1.0))
+                    acc_dP_rc[rc] = acc_dP_rc[rc] * (1.0 - tanh_u * tanh_u)
 
     @cute.jit
     def _write_dq(self, mdQacc, mDqOrder, sdQ, wg, n_block, kv_head, batch, group, m_block_min, m_block_max,
@@ -764,11 +706,9 @@ class FlashBwdSm90:
     def _dq_turn(self, n_block, m_block, kv_head, batch, bounds: SeqBounds, window_left, window_right,
                  mMaskRange) -> Int32:
         """How many higher key blocks of this sequence visit query block ``m_block``: this key
-        block's turn to add to that dQ tile. Dense: all of them. Causal and windows: both ends of
-        :meth:`_m_block_range` grow with the key block, so the visitors of a query block are
-        one run of key blocks, whose last one has the last first-row before the query block's
-        end (a closed form: a loop over the key blocks would outlast the tile at long lengths).
-        Masks: counted with the ranges the CTAs loop over, so the count always comes."""
+        block's turn to add to that dQ tile. Dense: all of them. Causal and windows: a closed
+        form (``key_blocks_reaching``; a loop over the key blocks would outlast the tile at long
+        lengths). Masks: counted with the ranges the CTAs loop over, so the count always comes."""
         n_blocks = cute.ceil_div(bounds.seqlen_k, self.tile_n)
         turn = n_blocks - 1 - n_block
         if const_expr(self.masked):
@@ -777,12 +717,9 @@ class FlashBwdSm90:
                 if mMaskRange[batch, kv_head, higher, 0] <= m_block and m_block < mMaskRange[batch, kv_head, higher, 1]:
                     turn += 1
         elif const_expr(self.causal or self.local):
-            # key block j visits m_block iff its first row j * tile_n - offset - right lies before
-            # the query block's end: j * tile_n < (m_block + 1) * tile_m + offset + right
-            right = Int32(0) if const_expr(self.causal) else window_right
-            end = (m_block + 1) * self.tile_m + bounds.seqlen_k - bounds.seqlen_q + right
-            visitors_end = cutlass.min(n_blocks, cute.ceil_div(cutlass.max(end, 0), self.tile_n))
-            turn = visitors_end - 1 - n_block
+            reaching = key_blocks_reaching(m_block, bounds.seqlen_q, bounds.seqlen_k, window_right, self.tile_m,
+                                           self.tile_n, self.causal)
+            turn = cutlass.min(n_blocks, reaching) - 1 - n_block
         return turn
 
     @cute.jit
@@ -816,14 +753,6 @@ class FlashBwdSm90:
                 cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-
-def _accumulator_order(chunk: cute.Tensor, thread: Int32, values: int) -> cute.Tensor:
-    """Thread ``thread``'s (4, values / 4) view of a warpgroup's fp32 dQ tile kept in
-    accumulator order: its value ``4 c + j`` at ``512 c + 4 thread + j`` (128 threads), so
-    that the 16-byte groups of a warp are contiguous."""
-    base = (chunk.iterator + 4 * thread).align(16)
-    return cute.make_tensor(base, cute.make_layout((4, values // 4), stride=(1, 4 * 128)))
 
 
 # -------------------------------------------------------------------- family / host API

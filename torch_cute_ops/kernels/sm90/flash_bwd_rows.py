@@ -1,0 +1,109 @@
+"""The attention backward's row kernels (sm_90a): before and after the main kernel.
+
+* ``preprocess``: per (b, s, h) row, ``delta = rowsum(dO * O)`` and ``lse * log2(e)`` in fp32,
+  written to (B, H, S_q) copies padded to whole query blocks (so that the main kernel's TMA
+  loads them whole); padding rows, and rows that attend to nothing, get lse = +inf (P = 0).
+* ``postprocess``: the fp32 dQ accumulator, which the main kernel's writer warps fill with bulk
+  reduce-adds in accumulator order (:func:`accumulator_order`), put back at the (row, col) the
+  dQ GEMM's C partition gives each value, times the softmax scale, in the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from ...runtime.attention import STAT_PAD as _STAT_PAD
+from ..common.flash_common import LOG2_E
+from ..common.seqlen import SeqBounds
+
+
+def accumulator_order(chunk: cute.Tensor, thread: Int32, values: int) -> cute.Tensor:
+    """Thread ``thread``'s (4, values / 4) view of a warpgroup's fp32 dQ tile kept in
+    accumulator order: its value ``4 c + j`` at ``512 c + 4 thread + j`` (128 threads), so
+    that the 16-byte groups of a warp are contiguous."""
+    base = (chunk.iterator + 4 * thread).align(16)
+    return cute.make_tensor(base, cute.make_layout((4, values // 4), stride=(1, 4 * 128)))
+
+
+class FlashBwdRowKernels:
+    """Pre- and postprocess of one backward variant: a group of threads per (b, s, h) row, 16
+    contiguous bytes of dO / O per thread and chunk, so that a warp reads whole 128-byte lines."""
+
+    row_threads = 128
+
+    def __init__(self, dtype, head_dim: int, tile_m: int, rows: str):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.rows = rows
+        self.ragged = rows != "dense"
+        chunks = head_dim // 8
+        self.threads_per_row = 8 if chunks % 8 == 0 else 4
+        self.chunks_per_thread = chunks // self.threads_per_row
+        self.rows_per_cta = self.row_threads // self.threads_per_row
+
+    @cute.jit
+    def _row_coords(self, num_h):
+        """This thread's (b, s, h) row (h fastest; the batch entry is the grid's y) and its
+        lane in the row's thread group."""
+        tidx = cute.arch.thread_idx()[0]
+        row = cute.arch.block_idx()[0] * self.rows_per_cta + tidx // self.threads_per_row
+        return cute.arch.block_idx()[1], row // num_h, row % num_h, tidx % self.threads_per_row
+
+    @cute.kernel
+    def preprocess(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
+                   mLSElog2: cute.Tensor, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor, keys_extent: Int32):
+        b, s, h, lane = self._row_coords(mO.shape[2])
+        bounds = SeqBounds(b, mO.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
+        padded_q = mDelta.shape[2]
+        if const_expr(self.ragged):
+            padded_q = cute.ceil_div(bounds.seqlen_q, _STAT_PAD) * _STAT_PAD
+        in_seq = s < bounds.seqlen_q
+        q_row, q_entry = bounds.q_index(s, b)
+        stat_row, stat_entry = bounds.padded_index(s, b)
+        row_sum = Float32(0.0)
+        if in_seq:
+            o_row, do_row = mO[q_entry, q_row, h, None], mdO[q_entry, q_row, h, None]
+            for k in cutlass.range_constexpr(self.chunks_per_thread):
+                chunk = lane + k * self.threads_per_row
+                o = cute.local_tile(o_row, (8,), (chunk,)).load().to(Float32)
+                do = cute.local_tile(do_row, (8,), (chunk,)).load().to(Float32)
+                row_sum += (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        # every lane shuffles, valid row or not: the groups never straddle rows
+        total = cute.arch.warp_reduction_sum(row_sum, threads_in_group=self.threads_per_row)
+        if s < padded_q:
+            if lane == 0:
+                # rows past seqlen_q and rows that attend to nothing (lse = -inf) get
+                # lse = +inf, so that P = exp2(S - lse) = 0 there and their gradient is zero
+                lse = Float32(-math.inf)
+                if in_seq:
+                    lse = mLSE[q_entry, h, q_row]
+                mLSElog2[stat_entry, h, stat_row] = cutlass.select_(lse == -math.inf, math.inf, lse * LOG2_E)
+                mDelta[stat_entry, h, stat_row] = total
+
+    @cute.kernel
+    def postprocess(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
+                    keys_extent: Int32, softmax_scale: Float32, mma_dq: cute.TiledMma):
+        """One query block of one head: its two warpgroup tiles read in accumulator order, each
+        value put back at the (row, col) the dQ GEMM's C partition gives it, times the softmax
+        scale (the main loop adds unscaled dS K), in the input dtype."""
+        tidx = cute.arch.thread_idx()[0]
+        m_block, h, b = cute.arch.block_idx()
+        bounds = SeqBounds(b, mdQ.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
+        if m_block * self.tile_m < bounds.seqlen_q:
+            row0, entry = bounds.padded_index(m_block * self.tile_m, b)
+            tile = mdQacc[entry, h, row0 // self.tile_m, tidx // 128, None]
+            coords = mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+            values = cute.size(coords)
+            acc = cute.make_rmem_tensor((4, values // 4), Float32)
+            cute.autovec_copy(accumulator_order(tile, tidx % 128, values), acc)
+            for i in cutlass.range_constexpr(values):
+                row, col = coords[i]
+                s_row = m_block * self.tile_m + row
+                if s_row < bounds.seqlen_q:
+                    q_row, q_entry = bounds.q_index(s_row, b)
+                    mdQ[q_entry, q_row, h, col] = (acc[i % 4, i // 4] * softmax_scale).to(self.dtype)
