@@ -70,3 +70,21 @@ def test_opcheck_flash_attn_window_softcap(band):
     out, lse = torch.ops.cute.flash_attn_fwd(q, k, v, 0.25, False, *band)
     args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, 0.25, False, *band)
     torch.library.opcheck(torch.ops.cute.flash_attn_bwd.default, args)
+
+
+def test_opcheck_deterministic_keyword():
+    """The keyword-only ``deterministic`` of the four attention ops: schema, fakes, autograd."""
+    q, k, v = _req(torch.randn(2, 9, 4, 16), torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 16))
+    flag = {"deterministic": True}
+    torch.library.opcheck(torch.ops.cute.flash_attn_fwd.default, (q, k, v, 0.25, True), flag)
+    out, lse = torch.ops.cute.flash_attn_fwd(q, k, v, 0.25, True, **flag)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, 0.25, True)
+    torch.library.opcheck(torch.ops.cute.flash_attn_bwd.default, args, flag)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    packed = _req(*(torch.randn(9, 4, 16) for _ in range(3)))
+    varlen_args = (cu, cu, 5, 5, 0.25, True)
+    torch.library.opcheck(torch.ops.cute.flash_attn_varlen_fwd.default, (*packed, *varlen_args), flag)
+    out, lse = torch.ops.cute.flash_attn_varlen_fwd(*packed, *varlen_args, **flag)
+    torch.library.opcheck(torch.ops.cute.flash_attn_varlen_bwd.default,
+                          (torch.randn_like(out), *(t.detach() for t in packed), out.detach(), lse, *varlen_args),
+                          flag)

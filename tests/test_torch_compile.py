@@ -133,3 +133,41 @@ def test_top_left_causal_and_windows_compile_without_recompiles():
         torch.testing.assert_close(compiled(q, k, v), attend(q, k, v))
         frames.append(counter.frame_count)
     assert frames == [frames[0]] * 3, f"recompiled: {frames}"
+
+
+def test_deterministic_flag_compiles_into_the_backward_op(monkeypatch):
+    """``deterministic=True`` is a keyword of the forward op in the graph, and autograd hands it to
+    the backward op (whose plans are all made for it): fullgraph, no recompiles across sizes,
+    gradients as in eager."""
+    from torch_cute_ops.ops import attention
+
+    torch._dynamo.reset()
+    planned = []
+
+    def make_bwd_plan(key, *args):
+        planned.append(key[-1])
+        return "cpu"  # the reference path; the key is what a CUDA input would be planned with
+
+    monkeypatch.setattr(attention, "_make_bwd_plan", make_bwd_plan)
+    monkeypatch.setattr(attention, "_bwd_plans", {})
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm.code)
+        return gm
+
+    def fn(q, k, v):
+        return tco.flash_attn_func(q, k, v, causal=True, deterministic=True)
+
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    for batch, seqlen in ((2, 9), (4, 17), (3, 5)):  # (sizes of 1 are specialized by dynamo)
+        q, k, v = (torch.randn(batch, seqlen, 4, 16, requires_grad=True) for _ in range(3))
+        out = compiled(q, k, v)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        expected = torch.autograd.grad(fn(q, k, v).sum(), (q, k, v))
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got, want)
+    assert counter.frame_count == 1, counter.frame_count
+    assert any("flash_attn_fwd" in code and "deterministic = True" in code for code in graphs), graphs
+    assert planned and all(planned), planned

@@ -301,40 +301,7 @@ class GemmSm100:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
 
-        # A/B ring: TMA (producer thread, leader CTA's barrier) -> tcgen05.mma (consumer)
-        ab_pipe = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_mbar.data_ptr(),
-            num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.mcast_ctas_a + self.mcast_ctas_b - 1
-            ),
-            tx_count=self.tma_bytes_per_stage,
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        )
-        # accumulator buffers: tcgen05.commit (producer) -> epilogue warps of both CTAs of a pair
-        acc_pipe = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_mbar.data_ptr(),
-            num_stages=ACC_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread,
-                len(EPILOGUE_WARPS) * cute.size(tiled_mma.thr_id.shape),
-            ),
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        )
-        tmem = cutlass.memory.TmemAllocator(
-            storage.tmem_addr.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(
-                barrier_id=_TMEM_PTR_BARRIER_ID,
-                num_threads=32 * (len(EPILOGUE_WARPS) + 1),
-            ),
-            allocator_warp_id=EPILOGUE_WARPS[0],
-            is_two_cta=self.two_cta,
-            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
-        )
+        ab_pipe, acc_pipe, tmem = self._pipelines(storage, tiled_mma, cluster_layout_vmnk)
         # barrier inits must be visible cluster-wide before any peer arrives on them
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
@@ -426,6 +393,45 @@ class GemmSm100:
             )
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr)
+
+    def _pipelines(self, storage, tiled_mma: cute.TiledMma, cluster_layout_vmnk: cute.Layout):
+        """The A/B ring, the accumulator buffers' pipeline and the TMEM allocator over ``storage``'s
+        barriers (their inits made visible by the caller's pipeline_init_arrive)."""
+        # A/B ring: TMA (producer thread, leader CTA's barrier) -> tcgen05.mma (consumer)
+        ab_pipe = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_mbar.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.mcast_ctas_a + self.mcast_ctas_b - 1
+            ),
+            tx_count=self.tma_bytes_per_stage,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        # accumulator buffers: tcgen05.commit (producer) -> epilogue warps of both CTAs of a pair
+        acc_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_mbar.data_ptr(),
+            num_stages=ACC_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread,
+                len(EPILOGUE_WARPS) * cute.size(tiled_mma.thr_id.shape),
+            ),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        tmem = cutlass.memory.TmemAllocator(
+            storage.tmem_addr.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                barrier_id=_TMEM_PTR_BARRIER_ID,
+                num_threads=32 * (len(EPILOGUE_WARPS) + 1),
+            ),
+            allocator_warp_id=EPILOGUE_WARPS[0],
+            is_two_cta=self.two_cta,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
+        )
+        return ab_pipe, acc_pipe, tmem
 
     def _scheduler(self, mOut: cute.Tensor) -> PersistentTileScheduler:
         """The shared persistent scheduler over CTA tiles; built alike on host and device."""
