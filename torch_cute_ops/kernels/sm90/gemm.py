@@ -43,7 +43,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ...runtime.gemm_config import GemmConfig
@@ -468,30 +468,38 @@ class Sm90Gemm:
         for r in cutlass.range_constexpr(frag_rows):
             rows[r] = cutlass.min(row_start + tCcC[((0, r % 2, 0), r // 2, 0)][0], last_row)
         col_block = col_start // SCALE_BLOCK
-        # per k-tile accumulator: the scale_a values of this thread's rows, then scale_b's block
+        # Byte addresses of this thread's scales (its rows' scale_a, then scale_b's block), each
+        # stepped by its k stride per k-tile: the loop does one 64-bit add per load instead of
+        # the full index arithmetic (which had the consumers issue-bound, bench/NOTES.md).
+        scale_addr = cute.make_rmem_tensor((frag_rows + 1,), Int64)
+        scale_step = cute.make_rmem_tensor((frag_rows + 1,), Int64)
+        for r in cutlass.range_constexpr(frag_rows):
+            scale_addr[r] = mScaleA[rows[r], None, batch_idx].iterator.toint()
+            scale_step[r] = Int64(mScaleA.layout.stride[1]) * (Float32.width // 8)
+        scale_addr[frag_rows] = mScaleB[None, col_block, batch_idx].iterator.toint()
+        scale_step[frag_rows] = Int64(mScaleB.layout.stride[0]) * (Float32.width // 8)
+        # per k-tile accumulator: its scales, in the order of scale_addr
         even, odd = acc_k_tiles
         even_scales = cute.make_rmem_tensor((frag_rows + 1,), Float32)
         odd_scales = cute.make_rmem_tensor((frag_rows + 1,), Float32)
-        scale_args = (rows, col_block, mScaleA, mScaleB, batch_idx)
+        scale_args = (scale_addr, scale_step)
         acc.fill(0.0)
         release_state = read_state.clone()
-        self._issue_scaled_k_tile(ab_pipeline, tiled_mma, even, even_scales, tCrA, tCrB, read_state, 0, scale_args)
+        self._issue_scaled_k_tile(ab_pipeline, tiled_mma, even, even_scales, tCrA, tCrB, read_state, scale_args)
         read_state.advance()
         # k-tiles 1, 2, then 3, 4, ...: odd ones into `odd`, even ones into `even`
         for pair in cutlass.range((num_k_tiles - 1) // 2, unroll=1):
-            for k_tile, (issued, issued_scales, done, done_scales) in (
-                    (2 * pair + 1, (odd, odd_scales, even, even_scales)),
-                    (2 * pair + 2, (even, even_scales, odd, odd_scales))):
+            for issued, issued_scales, done, done_scales in ((odd, odd_scales, even, even_scales),
+                                                             (even, even_scales, odd, odd_scales)):
                 self._issue_scaled_k_tile(ab_pipeline, tiled_mma, issued, issued_scales, tCrA, tCrB, read_state,
-                                          k_tile, scale_args)
+                                          scale_args)
                 read_state.advance()
                 warpgroup.wait_group(1)  # the previous k-tile's batch is done, this one runs
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
                 self._promote(acc, done, done_scales)
         if (num_k_tiles - 1) % 2 == 1:  # one more, odd k-tile
-            self._issue_scaled_k_tile(ab_pipeline, tiled_mma, odd, odd_scales, tCrA, tCrB, read_state,
-                                      num_k_tiles - 1, scale_args)
+            self._issue_scaled_k_tile(ab_pipeline, tiled_mma, odd, odd_scales, tCrA, tCrB, read_state, scale_args)
             read_state.advance()
             warpgroup.wait_group(1)
             ab_pipeline.consumer_release(release_state)
@@ -509,15 +517,14 @@ class Sm90Gemm:
         return read_state
 
     @cute.jit
-    def _issue_scaled_k_tile(self, ab_pipeline, tiled_mma, acc_k, scales, tCrA, tCrB, read_state, k_tile,
-                             scale_args):
-        """Load k-tile ``k_tile``'s scales into ``scales`` and issue its batch into ``acc_k``
-        (from zero) once its stage is full."""
-        rows, col_block, mScaleA, mScaleB, batch_idx = scale_args
-        frag_rows = cute.size(rows)
-        for r in cutlass.range_constexpr(frag_rows):
-            scales[r] = mScaleA[rows[r], k_tile, batch_idx]
-        scales[frag_rows] = mScaleB[k_tile, col_block, batch_idx]
+    def _issue_scaled_k_tile(self, ab_pipeline, tiled_mma, acc_k, scales, tCrA, tCrB, read_state, scale_args):
+        """Load the next k-tile's scales into ``scales`` (advancing their addresses) and issue
+        its batch into ``acc_k`` (from zero) once its stage is full."""
+        scale_addr, scale_step = scale_args
+        for i in cutlass.range_constexpr(cute.size(scales)):
+            ptr = cute.make_ptr(Float32, scale_addr[i], cute.AddressSpace.gmem, assumed_align=4)
+            scales[i] = cute.arch.load(ptr, Float32)
+            scale_addr[i] = scale_addr[i] + scale_step[i]
         ab_pipeline.consumer_wait(read_state)
         self._mma_k_tile(tiled_mma, acc_k, tCrA, tCrB, read_state.index, zero_init=True)
 
