@@ -43,7 +43,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ...runtime.gemm_config import GemmConfig
@@ -327,7 +327,8 @@ class Sm90Gemm:
         tCcC = tiled_mma.get_slice(group_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
         acc = cute.make_rmem_tensor(tCcC.shape, Float32)
         if cutlass.const_expr(self.scale_mode == "block"):
-            acc_k_tile = cute.make_rmem_tensor(tCcC.shape, Float32)  # one k-tile's partial sums
+            # two k-tiles' partial sums: one promoted while the next one's batch runs
+            acc_k_tiles = (cute.make_rmem_tensor(tCcC.shape, Float32), cute.make_rmem_tensor(tCcC.shape, Float32))
         if cutlass.const_expr(self.scale_mode == "tensor"):
             alpha = alpha * mScaleA[0] * mScaleB[0]
         if cutlass.const_expr(not self.direct_store):
@@ -378,7 +379,7 @@ class Sm90Gemm:
                 my_turn.arrive_and_wait()
             if cutlass.const_expr(self.scale_mode == "block"):
                 read_state = self._mainloop_block_scaled(
-                    ab_pipeline, tiled_mma, acc, acc_k_tile, tCrA, tCrB, read_state, num_k_tiles, mScaleA, mScaleB,
+                    ab_pipeline, tiled_mma, acc, acc_k_tiles, tCrA, tCrB, read_state, num_k_tiles, mScaleA, mScaleB,
                     tCcC, tile_m_idx * tile_m, tile_n_idx * tile_n, mC_mnl.shape, batch_idx)
                 release_state = read_state.clone()
             else:
@@ -448,15 +449,16 @@ class Sm90Gemm:
         return read_state, release_state
 
     @cute.jit
-    def _mainloop_block_scaled(self, ab_pipeline, tiled_mma, acc, acc_k_tile, tCrA, tCrB, read_state, num_k_tiles,
+    def _mainloop_block_scaled(self, ab_pipeline, tiled_mma, acc, acc_k_tiles, tCrA, tCrB, read_state, num_k_tiles,
                                mScaleA, mScaleB, tCcC, row_start, col_start, mn_shape, batch_idx):
         """acc = sum over k-tiles of (A_k @ B_k) * scale_a[row, k] * scale_b[k, col // 128].
 
-        Each k-tile's batch accumulates into ``acc_k_tile`` from zero and is waited for, then
-        promoted into ``acc`` with one FFMA per value. A k-tile's scales are loaded one k-tile
-        ahead: loaded at the top of their own k-tile, ptxas placed their product between the
-        batch's WGMMAs, whose issue then waited for an L2 trip (scale_b's new line every k-tile):
-        4-14% of the blockwise speed at the bench shapes (bench/NOTES.md).
+        Each k-tile's batch accumulates from zero into one of two k-tile accumulators, taking
+        turns, and is promoted into ``acc`` (one FFMA per value) while the next k-tile's batch
+        runs: the tensor cores never wait for a promotion. A k-tile's scales are loaded when its
+        batch is issued, a k-tile before the promotion that uses them (loaded at the top of their
+        own k-tile, ptxas had placed their product between the WGMMAs, whose issue then waited
+        for an L2 trip: bench/NOTES.md).
         """
         # The wgmma C fragment of a thread holds values ((2 cols, 2 rows, n/8 col groups), m, 1):
         # its rows, and its single 128-column block, are the same for every k-tile.
@@ -466,31 +468,76 @@ class Sm90Gemm:
         for r in cutlass.range_constexpr(frag_rows):
             rows[r] = cutlass.min(row_start + tCcC[((0, r % 2, 0), r // 2, 0)][0], last_row)
         col_block = col_start // SCALE_BLOCK
-        # The next k-tile's scales are combined at the top of the k-tile that uses them, before
-        # the one after is loaded into the same registers: no copies, and nothing between the
-        # WGMMAs waits on a load.
-        row_scale = cute.make_rmem_tensor((frag_rows,), Float32)
-        next_row = cute.make_rmem_tensor((frag_rows,), Float32)
+        # Byte addresses of this thread's scales (its rows' scale_a, then scale_b's block), each
+        # stepped by its k stride per k-tile: the loop does one 64-bit add per load instead of
+        # the full index arithmetic (which had the consumers issue-bound, bench/NOTES.md).
+        scale_addr = cute.make_rmem_tensor((frag_rows + 1,), Int64)
+        scale_step = cute.make_rmem_tensor((frag_rows + 1,), Int64)
         for r in cutlass.range_constexpr(frag_rows):
-            next_row[r] = mScaleA[rows[r], 0, batch_idx]
-        next_block = mScaleB[0, col_block, batch_idx]
+            scale_addr[r] = mScaleA[rows[r], None, batch_idx].iterator.toint()
+            scale_step[r] = Int64(mScaleA.layout.stride[1]) * (Float32.width // 8)
+        scale_addr[frag_rows] = mScaleB[None, col_block, batch_idx].iterator.toint()
+        scale_step[frag_rows] = Int64(mScaleB.layout.stride[0]) * (Float32.width // 8)
+        # per k-tile accumulator: its scales, in the order of scale_addr
+        even, odd = acc_k_tiles
+        even_scales = cute.make_rmem_tensor((frag_rows + 1,), Float32)
+        odd_scales = cute.make_rmem_tensor((frag_rows + 1,), Float32)
+        scale_args = (scale_addr, scale_step)
         acc.fill(0.0)
-        for k_tile in cutlass.range(num_k_tiles, unroll=1):
-            for r in cutlass.range_constexpr(frag_rows):
-                row_scale[r] = next_row[r] * next_block
-            k_next = cutlass.min(k_tile + 1, num_k_tiles - 1)
-            next_block = mScaleB[k_next, col_block, batch_idx]
-            for r in cutlass.range_constexpr(frag_rows):
-                next_row[r] = mScaleA[rows[r], k_next, batch_idx]
-            ab_pipeline.consumer_wait(read_state)
-            self._mma_k_tile(tiled_mma, acc_k_tile, tCrA, tCrB, read_state.index, zero_init=True)
-            warpgroup.wait_group(0)
-            ab_pipeline.consumer_release(read_state)
+        release_state = read_state.clone()
+        self._issue_scaled_k_tile(ab_pipeline, tiled_mma, even, even_scales, tCrA, tCrB, read_state, scale_args)
+        read_state.advance()
+        # k-tiles 1, 2, then 3, 4, ...: odd ones into `odd`, even ones into `even`
+        for pair in cutlass.range((num_k_tiles - 1) // 2, unroll=1):
+            for issued, issued_scales, done, done_scales in ((odd, odd_scales, even, even_scales),
+                                                             (even, even_scales, odd, odd_scales)):
+                self._issue_scaled_k_tile(ab_pipeline, tiled_mma, issued, issued_scales, tCrA, tCrB, read_state,
+                                          scale_args)
+                read_state.advance()
+                warpgroup.wait_group(1)  # the previous k-tile's batch is done, this one runs
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+                self._promote(acc, done, done_scales)
+        if (num_k_tiles - 1) % 2 == 1:  # one more, odd k-tile
+            self._issue_scaled_k_tile(ab_pipeline, tiled_mma, odd, odd_scales, tCrA, tCrB, read_state, scale_args)
             read_state.advance()
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                coord = cute.idx2crd(i, acc.shape)
-                acc[i] = acc[i] + acc_k_tile[i] * row_scale[coord[0][1] + 2 * coord[1]]
+            warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+            self._promote(acc, even, even_scales)
+            warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+            self._promote(acc, odd, odd_scales)
+        else:
+            warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+            self._promote(acc, even, even_scales)
         return read_state
+
+    @cute.jit
+    def _issue_scaled_k_tile(self, ab_pipeline, tiled_mma, acc_k, scales, tCrA, tCrB, read_state, scale_args):
+        """Load the next k-tile's scales into ``scales`` (advancing their addresses) and issue
+        its batch into ``acc_k`` (from zero) once its stage is full."""
+        scale_addr, scale_step = scale_args
+        for i in cutlass.range_constexpr(cute.size(scales)):
+            ptr = cute.make_ptr(Float32, scale_addr[i], cute.AddressSpace.gmem, assumed_align=4)
+            scales[i] = cute.arch.load(ptr, Float32)
+            scale_addr[i] = scale_addr[i] + scale_step[i]
+        ab_pipeline.consumer_wait(read_state)
+        self._mma_k_tile(tiled_mma, acc_k, tCrA, tCrB, read_state.index, zero_init=True)
+
+    @cute.jit
+    def _promote(self, acc, acc_k, scales):
+        """acc += acc_k * scale_a[row] * scale_b (one retired k-tile's partial sums)."""
+        frag_rows = cute.size(scales) - 1
+        row_scale = cute.make_rmem_tensor((frag_rows,), Float32)
+        for r in cutlass.range_constexpr(frag_rows):
+            row_scale[r] = scales[r] * scales[frag_rows]
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            coord = cute.idx2crd(i, acc.shape)
+            acc[i] = acc[i] + acc_k[i] * row_scale[coord[0][1] + 2 * coord[1]]
 
     @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, zero_init: cutlass.Constexpr):
