@@ -1,11 +1,13 @@
 """The cost of a bitwise-reproducible attention backward, through the public API.
 
-    python bench/bench_deterministic.py [--rounds 3]
+    python bench/bench_deterministic.py [--rounds 3] [--mask]
 
 The same ``torch.autograd.grad`` of ``tco.flash_attn_func``'s output (bf16, random inputs, given
 dO) timed with ``torch.use_deterministic_algorithms`` off and on, interleaved over rounds
 (medians of ``triton.testing.do_bench``); on, the backward runs the ordered-dQ kernel. Also
-checks that two deterministic runs give identical bytes and that nothing fell back.
+checks that two deterministic runs give identical bytes and that nothing fell back. ``--mask``
+times ``tco.scaled_dot_product_attention`` with a boolean attn_mask instead (causal and a random
+key padding per sequence; the shapes' causal flag is folded into the mask).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ SHAPES = [  # (batch, seqlen, heads, head_dim, causal): the quick grid's D128 ro
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mask", action="store_true", help="boolean attn_mask through the SDPA drop-in")
     args = parser.parse_args()
     import torch_cute_ops as tco
     from torch_cute_ops.ops import fallback
@@ -37,7 +40,16 @@ def main() -> None:
         q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))
         dout = torch.randn_like(q)
-        out = tco.flash_attn_func(q, k, v, causal=causal)
+        if args.mask:
+            q, k, v, dout = (t.transpose(1, 2) for t in (q, k, v, dout))  # (B, H, S, D) views
+            keys = torch.arange(seqlen, device="cuda")
+            kept = torch.randint(seqlen // 2, seqlen + 1, (batch, 1, 1, 1), device="cuda")
+            mask = keys < kept
+            if causal:
+                mask = mask & (keys[None, :] <= keys[:, None])
+            out = tco.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = tco.flash_attn_func(q, k, v, causal=causal)
         grad = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
         times = {False: [], True: []}
         try:
@@ -51,7 +63,7 @@ def main() -> None:
             torch.use_deterministic_algorithms(False)
         default, ordered = (statistics.median(times[d]) for d in (False, True))
         costs.append(ordered / default)
-        name = f"B{batch} S{seqlen} H{heads} D{head_dim} {'causal' if causal else 'full'}"
+        name = f"B{batch} S{seqlen} H{heads} D{head_dim} {'causal' if causal else 'full'}{' mask' if args.mask else ''}"
         print(f"{name:34} {default:8.3f} {ordered:8.3f} {ordered / default - 1:+7.1%}  {same}")
     print(f"geomean cost {statistics.geometric_mean(costs) - 1:+.1%}, max {max(costs) - 1:+.1%}; "
           f"fallbacks: {fallback.counts() or 'none'}")

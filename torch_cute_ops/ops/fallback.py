@@ -73,4 +73,3 @@ def counts() -> dict[tuple[str, str], int]:
 
 def reset() -> None:
     _counts.clear()
-

@@ -329,10 +329,14 @@ def _mask_placeholders(device_index: int) -> tuple:
 _tile_counters: dict[tuple[int, int], torch.Tensor] = {}
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
+
+
 def _current_raw_stream(device_index: int) -> int:
     """The current stream's handle (the C binding when this torch build has it: ~0.2 us)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 def _tile_counter(device: torch.device) -> torch.Tensor:
@@ -598,23 +602,24 @@ def _bwd_workspaces(batch: int, heads: int, stat_rows: int, accum_rows: int, hea
 class FlashBwdLaunch:
     """The backward of one input layout: writes dq, dk, dv (preallocated, contiguous)."""
 
-    __slots__ = ("fn", "device_index", "deterministic")
+    __slots__ = ("fn", "device_index", "deterministic", "unused_order")
 
     def __init__(self, spec: KernelSpec, device_index: int):
         self.fn = get_compiled(spec)
         self.device_index = device_index
         self.deterministic = spec.get("deterministic", False)
+        # the default variants' placeholder for the add counts: the compiled signature is 4-D
+        self.unused_order = _unused_counter(device_index).view(1, 1, 1, 1)
 
     def _dq_order(self, dq_accum: torch.Tensor, turns: torch.Tensor | None = None) -> tuple:
         """Deterministic variants: one zeroed int32 per dQ accumulator tile, the count of key
         blocks added to it so far (the next one waits for its turn), and with a mask each key
         block's turn per query block (:func:`dq_turns`); else placeholders (the compiled
         signature is 4-D either way)."""
-        unused = _unused_counter(self.device_index).view(1, 1, 1, 1)
         if not self.deterministic:
-            return unused, unused
+            return self.unused_order, self.unused_order
         order = torch.zeros(dq_accum.shape[:4], dtype=torch.int32, device=dq_accum.device)
-        return order, unused if turns is None else turns
+        return order, self.unused_order if turns is None else turns
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, window_left: int = 0,
                  window_right: int = 0, softcap: float = 0.0) -> None:

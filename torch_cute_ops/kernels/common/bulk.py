@@ -3,11 +3,10 @@
 * :func:`bulk_reduce_add_f32`: a 1-D asynchronous bulk reduce-add (``cp.reduce.async.bulk``)
   of a contiguous fp32 range of shared memory into global memory, in the issuing thread's bulk
   group (commit and wait with ``cute.arch.cp_async_bulk_commit_group`` / ``..._wait_group``);
-* :func:`load_acquire_gpu`, :func:`add_release_gpu`: an int32 count acquired and released at
-  GPU scope (one CTA waits for its turn, another passes it on);
-* :func:`fence_proxy_async_global`: orders a thread's generic-proxy global accesses with its
-  bulk (async-proxy) ones, on either side of such a hand-over;
 * :func:`nanosleep`: back-off inside a polling loop.
+
+The turn-taking around such an add (an acquire load, a release add, the async-proxy fence) uses
+``cute.arch.load`` / ``cute.arch.red`` / ``cute.arch.fence_proxy``, which the DSL provides.
 
 Addresses are the integers of ``Pointer.toint()``: 64-bit global, 32-bit shared.
 """
@@ -16,7 +15,7 @@ from __future__ import annotations
 
 from cutlass import Int32, Int64
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
 
 @dsl_user_op
@@ -36,28 +35,7 @@ def bulk_reduce_add_f32(dst: Int64, src: Int32, num_bytes: int, *, loc=None, ip=
 
 
 @dsl_user_op
-def load_acquire_gpu(addr: Int64, *, loc=None, ip=None) -> Int32:
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def add_release_gpu(addr: Int64, value: Int32, *, loc=None, ip=None) -> None:
-    llvm.inline_asm(
-        None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
-        "red.release.gpu.global.add.s32 [$0], $1;", "l,r,~{memory}",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
 def nanosleep(ns: int, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [], f"nanosleep.u32 {ns};", "", has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT)
 
-
-@dsl_user_op
-def fence_proxy_async_global(*, loc=None, ip=None) -> None:
-    """Orders this thread's generic-proxy global accesses with its bulk (async-proxy) ones."""
-    llvm.inline_asm(None, [], "fence.proxy.async.global;", "~{memory}", has_side_effects=True,
-                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)

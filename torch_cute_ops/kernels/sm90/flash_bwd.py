@@ -56,12 +56,10 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from ...runtime.attention import DQ_BLOCK_ROWS as _DQ_BLOCK_ROWS
 from ...runtime.attention import STAT_PAD as _STAT_PAD
 from ...runtime.spec import KernelSpec
+from ..common.bulk import bulk_reduce_add_f32, nanosleep
 from ..common.flash_common import (
     BLOCK_FULL, LOG2_E, acc_as_rows_cols, apply_attn_mask, apply_softcap, convert_to_16bit, key_blocks_reaching,
     mask_scores, query_block_range, tiled_wgmma, transposed_view,
-)
-from ..common.bulk import (
-    add_release_gpu, bulk_reduce_add_f32, fence_proxy_async_global, load_acquire_gpu, nanosleep,
 )
 from ..common.mask_args import mask_fakes
 from ..common.seqlen import SeqBounds, store_rows
@@ -689,17 +687,17 @@ class FlashBwdSm90:
             cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_DQ_BAR_THREADS)
             if cute.arch.lane_idx() == 0:
                 if const_expr(self.deterministic):
-                    count = (mDqOrder.iterator + cute.crd2idx(tile_idx, mDqOrder.layout)).toint()
-                    while load_acquire_gpu(count) != turn:
+                    count = mDqOrder.iterator + cute.crd2idx(tile_idx, mDqOrder.layout)
+                    while cute.arch.load(count, Int32, sem="acquire", scope="gpu") != turn:
                         nanosleep(32)
-                    fence_proxy_async_global()
+                    cute.arch.fence_proxy("async.global")
                 bulk_reduce_add_f32(dst, src, self.dq_chunk * Float32.width // 8)
                 cute.arch.cp_async_bulk_commit_group()
                 if const_expr(self.deterministic):
                     # the add must be performed before the next key block's may start
                     cute.arch.cp_async_bulk_wait_group(0)
-                    fence_proxy_async_global()
-                    add_release_gpu(count, Int32(1))
+                    cute.arch.fence_proxy("async.global")
+                    cute.arch.red(count, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
                 elif block + 1 < num_blocks:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
             if block + 1 < num_blocks:
