@@ -7,7 +7,6 @@ with -inf regions and finite biases, GQA, rows that see no key, odd sizes, head 
 Launch-level outputs are poisoned with NaN first.
 """
 
-import math
 
 import pytest
 import torch

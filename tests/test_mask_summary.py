@@ -74,3 +74,23 @@ def test_additive_blocks_are_full_only_where_the_bias_is_zero():
     hidden = torch.full((1, 1, 128, 256), float("-inf"))
     hidden[..., :, :128] = 0
     assert mask_blocks(hidden, 128, 256, 128, 128)[0, 0].tolist() == [[BLOCK_FULL, BLOCK_EMPTY]]
+
+
+def test_dq_turns_count_the_higher_key_blocks_that_visit_each_query_block():
+    """The deterministic backward's turn of key block n at query block m, for masks: how many key
+    blocks above n have m in their [first, past-last) range; checked against a direct count on
+    random ranges (empty ones included) with broadcast batch and head dims."""
+    from torch_cute_ops.runtime.attention import dq_turns
+
+    torch.manual_seed(0)
+    m_blocks = 13
+    start = torch.randint(0, m_blocks + 1, (2, 1, 9), dtype=torch.int32)
+    end = torch.minimum(start + torch.randint(0, 6, start.shape, dtype=torch.int32), torch.tensor(m_blocks))
+    ranges = torch.stack([start, end], dim=-1)
+    turns = dq_turns(ranges, m_blocks)
+    assert turns.dtype == torch.int32 and turns.shape == (2, 1, 9, m_blocks)
+    for b in range(2):
+        for n in range(9):
+            for m in range(m_blocks):
+                higher = sum(int(start[b, 0, j] <= m < end[b, 0, j]) for j in range(n + 1, 9))
+                assert turns[b, 0, n, m] == higher, (b, n, m)

@@ -256,6 +256,17 @@ def mask_bits(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int
     return packed.view(torch.int32)
 
 
+def dq_turns(ranges: torch.Tensor, m_blocks: int) -> torch.Tensor:
+    """int32 (..., key blocks, query blocks): how many higher key blocks visit each query block,
+    given each key block's [first, past-last) query blocks (:func:`live_ranges`): a key block's
+    turn to add its dQ tile in the deterministic backward, for masks (whose ranges are arbitrary,
+    unlike a band's)."""
+    index = torch.arange(m_blocks, device=ranges.device, dtype=torch.int32)
+    visits = ((ranges[..., :1] <= index) & (index < ranges[..., 1:])).to(torch.int32)
+    at_or_above = visits.flip(-2).cumsum(-2, dtype=torch.int32).flip(-2)
+    return at_or_above - visits
+
+
 def live_ranges(blocks: torch.Tensor) -> torch.Tensor:
     """int32 (..., 2): the first and past-last non-empty block along the last dim ((0, 0) if none)."""
     live = blocks != BLOCK_EMPTY
@@ -600,12 +611,15 @@ class FlashBwdLaunch:
         # the default variants' placeholder for the add counts: the compiled signature is 4-D
         self.unused_order = _unused_counter(device_index).view(1, 1, 1, 1)
 
-    def _dq_order(self, dq_accum: torch.Tensor) -> torch.Tensor:
+    def _dq_order(self, dq_accum: torch.Tensor, turns: torch.Tensor | None = None) -> tuple:
         """Deterministic variants: one zeroed int32 per dQ accumulator tile, the count of key
-        blocks added to it so far (the next one waits for its turn); else a placeholder."""
+        blocks added to it so far (the next one waits for its turn), and with a mask each key
+        block's turn per query block (:func:`dq_turns`); else placeholders (the compiled
+        signature is 4-D either way)."""
         if not self.deterministic:
-            return self.unused_order
-        return torch.zeros(dq_accum.shape[:4], dtype=torch.int32, device=dq_accum.device)
+            return self.unused_order, self.unused_order
+        order = torch.zeros(dq_accum.shape[:4], dtype=torch.int32, device=dq_accum.device)
+        return order, self.unused_order if turns is None else turns
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, window_left: int = 0,
                  window_right: int = 0, softcap: float = 0.0) -> None:
@@ -613,7 +627,7 @@ class FlashBwdLaunch:
         delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
                                                     head_dim, q.device)
         unused = _unused_counter(self.device_index)
-        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, self._dq_order(dq_accum),
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum),
                 unused, unused, 0, 0,
                 *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
@@ -630,7 +644,12 @@ class FlashBwdLaunch:
                                                     head_dim, q.device)
         unused = _unused_counter(self.device_index)
         m_blocks, n_blocks = blocks.shape[-2:]
-        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, self._dq_order(dq_accum),
+        turns = None
+        if self.deterministic:
+            # compact (batch, kv heads, key blocks, query blocks): few registers to index it
+            turns = mask_summary(attn_mask, ("bwd turns", batch, seqlen_q, seqlen_k, tiles, kv_heads), lambda: dq_turns(
+                ranges, m_blocks).expand(batch, kv_heads, n_blocks, m_blocks).contiguous())
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum, turns),
                 unused, unused, 0, 0,
                 _kernel_mask(attn_mask, batch, heads, seqlen_q, seqlen_k),
                 blocks.expand(batch, heads, m_blocks, n_blocks), ranges.expand(batch, kv_heads, n_blocks, 2),
@@ -645,7 +664,7 @@ class FlashBwdLaunch:
                                                     head_dim, q.device)
         for grad in (dq, dk, dv):
             grad.zero_()
-        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, self._dq_order(dq_accum),
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum),
                 key_start, key_end, 0, 0,
                 *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
@@ -660,7 +679,7 @@ class FlashBwdLaunch:
         padded = -(-(total_q + batch * STAT_PAD) // STAT_PAD) * STAT_PAD
         delta, lse_log2, dq_accum = _bwd_workspaces(1, heads, padded, padded, head_dim, q.device)
         self.fn(dout[None], q[None], k[None], v[None], out[None], lse[None], dq[None], dk[None], dv[None],
-                delta, lse_log2, dq_accum, self._dq_order(dq_accum), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                delta, lse_log2, dq_accum, *self._dq_order(dq_accum), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k,
                 *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)

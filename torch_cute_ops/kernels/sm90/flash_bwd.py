@@ -175,7 +175,8 @@ class FlashBwdSm90:
     def __call__(self, mdO: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mO: cute.Tensor, mLSE: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mDelta: cute.Tensor, mLSElog2: cute.Tensor,
-                 mdQacc: cute.Tensor, mDqOrder: cute.Tensor, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
+                 mdQacc: cute.Tensor, mDqOrder: cute.Tensor, mDqTurns: cute.Tensor, mSeqInfoQ: cute.Tensor,
+                 mSeqInfoK: cute.Tensor,
                  max_seqlen_q: Int32, max_seqlen_k: Int32, mMask: cute.Tensor, mMaskBlocks: cute.Tensor,
                  mMaskRange: cute.Tensor, softmax_scale: Float32, window_left: Int32,
                  window_right: Int32, softcap: Float32, stream):
@@ -191,7 +192,8 @@ class FlashBwdSm90:
         rows.preprocess(mO, mdO, mLSE, mDelta, mLSElog2, mSeqInfoQ, mSeqInfoK, keys_extent).launch(
             grid=(cute.ceil_div(padded_q * heads, rows.rows_per_cta), batch, 1),
             block=[rows.row_threads, 1, 1], stream=stream)
-        self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mDqOrder, mSeqInfoQ, mSeqInfoK,
+        self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, (mDqOrder, mDqTurns), mSeqInfoQ,
+                          mSeqInfoK,
                           (mMask, mMaskBlocks, mMaskRange), batch, seqlen_k, softmax_scale, window_left,
                           window_right, softcap, stream)
         rows.postprocess(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent, softmax_scale,
@@ -200,7 +202,7 @@ class FlashBwdSm90:
             block=[_NUM_MMA_THREADS, 1, 1], stream=stream)
 
     @cute.jit
-    def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, mDqOrder, mSeqInfoQ, mSeqInfoK,
+    def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, dq_order, mSeqInfoQ, mSeqInfoK,
                      mask_args, batch, seqlen_k, softmax_scale, window_left, window_right, softcap, stream):
         # (B, S, H, D) -> (S, D, H, B): TMA tiles over (S, D); (B, H, S) -> (S, H, B)
         seq_major = [1, 3, 2, 0]
@@ -274,7 +276,7 @@ class FlashBwdSm90:
         grid = (cute.ceil_div(seqlen_k, self.tile_n), cute.size(mK.shape[2]), batch)
         self._main_kernel(
             tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_LSE, tma_Delta,
-            gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, mdQacc, mDqOrder, gmem_LSE, gmem_Delta,
+            gmem_Q, gmem_dO, gmem_K, gmem_V, gmem_dK, gmem_dV, mdQacc, *dq_order, gmem_LSE, gmem_Delta,
             mdK, mdV, mSeqInfoQ, mSeqInfoK, *mask_args, 1.0 / softmax_scale,
             mma_sdp, mma_dkv, mma_dq,
             sQ_layout, sKV_layout, sP_layout, sdS_layout, sdQ_layout, sStat_layout,
@@ -299,6 +301,7 @@ class FlashBwdSm90:
         mdK: cute.Tensor, mdV: cute.Tensor,
         mdQacc: cute.Tensor,  # (B, H, query blocks, warpgroup, tile) fp32, accumulator order
         mDqOrder: cute.Tensor,  # deterministic: (B, H, query blocks, warpgroup) int32 add counts
+        mDqTurns: cute.Tensor,  # deterministic with a mask: (B, H_kv, key blocks, query blocks) turns
         mLSElog2: cute.Tensor, mDelta: cute.Tensor,
         mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,  # dK, dV as plain gmem: the ragged store
         mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
@@ -360,8 +363,8 @@ class FlashBwdSm90:
                                   pipe_kv, pipe_q, pipe_do, n_block, kv_head, batch, group,
                                   m_block_min, m_block_max, bounds)
                 elif warp_idx <= 2:
-                    self._write_dq(mdQacc, mDqOrder, smem["sdQ"], warp_idx - 1, n_block, kv_head, batch, group,
-                                   m_block_min, m_block_max, bounds, window_left, window_right, mMaskRange)
+                    self._write_dq(mdQacc, (mDqOrder, mDqTurns), smem["sdQ"], warp_idx - 1, n_block, kv_head,
+                                   batch, group, m_block_min, m_block_max, bounds, window_left, window_right)
             else:
                 cute.arch.setmaxregister_increase(_MMA_REGS)
                 self._consume(mdK, mdV, mdK_rows, mdV_rows, tma_dK, tma_dV,
@@ -657,11 +660,14 @@ class FlashBwdSm90:
                     acc_dP_rc[rc] = acc_dP_rc[rc] * (1.0 - tanh_u * tanh_u)
 
     @cute.jit
-    def _write_dq(self, mdQacc, mDqOrder, sdQ, wg, n_block, kv_head, batch, group, m_block_min, m_block_max,
-                  bounds: SeqBounds, window_left, window_right, mMaskRange):
+    def _write_dq(self, mdQacc, dq_order, sdQ, wg, n_block, kv_head, batch, group, m_block_min, m_block_max,
+                  bounds: SeqBounds, window_left, window_right):
         """Writer warp of MMA warpgroup ``wg``: adds each of its dQ tiles to the fp32
         accumulator with one 1-D bulk reduce-add, off the warpgroup's critical path
         (deterministic variants: from the last key block down, see :meth:`_dq_turn`)."""
+        mDqOrder, mDqTurns = dq_order
+        if const_expr(self.deterministic and self.masked):  # this key block's turns, one per query block
+            mDqTurns = mDqTurns[batch, kv_head, n_block, None]
         src = sdQ[None, wg].iterator.toint()
         num_m = m_block_max - m_block_min
         num_blocks = group * num_m
@@ -677,7 +683,7 @@ class FlashBwdSm90:
             turn = Int32(0)
             if const_expr(self.deterministic):  # worked out while the warpgroup computes the tile
                 turn = self._dq_turn(n_block, m_block, kv_head, batch, bounds, window_left, window_right,
-                                     mMaskRange)
+                                     mDqTurns)
             cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_DQ_BAR_THREADS)
             if cute.arch.lane_idx() == 0:
                 if const_expr(self.deterministic):
@@ -702,18 +708,16 @@ class FlashBwdSm90:
 
     @cute.jit
     def _dq_turn(self, n_block, m_block, kv_head, batch, bounds: SeqBounds, window_left, window_right,
-                 mMaskRange) -> Int32:
+                 mDqTurns) -> Int32:
         """How many higher key blocks of this sequence visit query block ``m_block``: this key
         block's turn to add to that dQ tile. Dense: all of them. Causal and windows: a closed
         form (``key_blocks_reaching``; a loop over the key blocks would outlast the tile at long
-        lengths). Masks: counted with the ranges the CTAs loop over, so the count always comes."""
+        lengths). Masks: the host's table (``runtime.attention.dq_turns``), counted from the same
+        ranges the CTAs loop over, so the count always comes."""
         n_blocks = cute.ceil_div(bounds.seqlen_k, self.tile_n)
         turn = n_blocks - 1 - n_block
-        if const_expr(self.masked):
-            turn = Int32(0)
-            for higher in cutlass.range(n_block + 1, n_blocks, unroll=1):
-                if mMaskRange[batch, kv_head, higher, 0] <= m_block and m_block < mMaskRange[batch, kv_head, higher, 1]:
-                    turn += 1
+        if const_expr(self.masked):  # (mDqTurns: this key block's row of the table)
+            turn = mDqTurns[m_block]
         elif const_expr(self.causal or self.local):
             reaching = key_blocks_reaching(m_block, bounds.seqlen_q, bounds.seqlen_k, window_right, self.tile_m,
                                            self.tile_n, self.causal)
@@ -786,6 +790,9 @@ def build(spec: KernelSpec):
         bshd(), bshd(), bshd(),  # dq, dk, dv
         padded_stat(), padded_stat(), dq_accum,
         cute.runtime.make_fake_compact_tensor(  # dQ add order (deterministic variants; else unread)
+            Int32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
+            stride_order=(3, 2, 1, 0), assumed_align=4),
+        cute.runtime.make_fake_compact_tensor(  # dQ turns (deterministic masked variants; else unread)
             Int32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
             stride_order=(3, 2, 1, 0), assumed_align=4),
         cu_seqlens(), cu_seqlens(), Int32(0), Int32(0),  # row bounds (common.seqlen), max_seqlen (q, k)
