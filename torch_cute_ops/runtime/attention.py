@@ -140,12 +140,12 @@ STAT_PAD = 128  # lse and delta rows are padded to whole query blocks for their 
 DQ_BLOCK_ROWS = 64  # the backward's query tile (every head dim): the dQ accumulator's blocks
 
 
-@functools.lru_cache(maxsize=None)
 # Head dims whose backward adds dQ in key-block order even when not asked to: at D256 the ordered
 # adds run faster than the free-for-all ones (bench/NOTES.md, session 11), and are reproducible.
 ORDERED_DQ_HEAD_DIMS = (256,)
 
 
+@functools.lru_cache(maxsize=None)
 def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False,
              softcap: bool = False, rows: str = "dense", attn_mask: str = "none",
              deterministic: bool = False) -> KernelSpec:
