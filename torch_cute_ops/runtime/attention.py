@@ -140,6 +140,11 @@ STAT_PAD = 128  # lse and delta rows are padded to whole query blocks for their 
 DQ_BLOCK_ROWS = 64  # the backward's query tile (every head dim): the dQ accumulator's blocks
 
 
+# Head dims whose backward adds dQ in key-block order even when not asked to: at D256 the ordered
+# adds run faster than the free-for-all ones (bench/NOTES.md, session 11), and are reproducible.
+ORDERED_DQ_HEAD_DIMS = (256,)
+
+
 @functools.lru_cache(maxsize=None)
 def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False,
              softcap: bool = False, rows: str = "dense", attn_mask: str = "none",
@@ -697,8 +702,9 @@ def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False,
     if reason:
         return reason
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    ordered = deterministic or q.shape[-1] in ORDERED_DQ_HEAD_DIMS
     spec = bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal, local=local, softcap=softcap, rows=rows,
-                    attn_mask=attn_mask, deterministic=deterministic)
+                    attn_mask=attn_mask, deterministic=ordered)
     return FlashBwdLaunch(spec, device_index)
 
 
