@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -55,6 +56,9 @@ def parse_args(argv=None):
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
+    # 1e-3 diverged after 6 steps on two H200s (loss 4.9 -> 27.5 in every run, session 11), after
+    # which the curves are chaos, not a comparison
+    parser.add_argument("--lr", type=float, default=1e-4)
     args = parser.parse_args(argv)
     if args.cpu:  # a tiny model: the reference path does the math
         args.seqlen, args.dim, args.heads, args.kv_heads, args.layers, args.vocab = 16, 32, 4, 2, 2, 64
@@ -69,10 +73,14 @@ def batches(args, world: int, device) -> list[torch.Tensor]:
             for _ in range(2)]
 
 
-def train(model, steps: int, batch_of_step, compile_model: bool, timed: int = 0):
+def train(model, steps: int, batch_of_step, compile_model: bool, timed: int = 0, lr: float = 1e-4):
     """Loss per step (a float, averaged over the process group when ``model`` is sharded by data),
     and the step times (s) of the last ``timed`` steps."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params = list(model.parameters())
+    # tensor parallelism leaves the unplanned parameters (norms, embeddings) plain tensors; the
+    # multi-tensor AdamW kernels cannot take DTensors and plain tensors in one list
+    mixed = len({isinstance(p, DTensor) for p in params}) > 1
+    opt = torch.optim.AdamW(params, lr=lr, foreach=False if mixed else None)
     loss_fn = torch.compile(model.loss) if compile_model else model.loss
     losses, times = [], []
     for step in range(steps):
@@ -148,9 +156,9 @@ def main(argv=None) -> dict:
     reference = None
     if rank == 0:
         tco.ops.fallback.reset()
-        losses, _ = train(copy.deepcopy(base), args.steps, lambda step: data[step % 2], args.compile)
+        losses, _ = train(copy.deepcopy(base), args.steps, lambda step: data[step % 2], args.compile, lr=args.lr)
         _, times = train(copy.deepcopy(base), args.timed_steps + 3,
-                         lambda step: data[step % 2][:args.batch], args.compile, args.timed_steps)
+                         lambda step: data[step % 2][:args.batch], args.compile, args.timed_steps, lr=args.lr)
         reference = losses
     holder = [reference]
     dist.broadcast_object_list(holder, src=0)
@@ -172,7 +180,8 @@ def main(argv=None) -> dict:
             tokens_per_step = world * tokens_per_gpu
         else:
             raise ValueError(f"--modes: expected fsdp2 and/or tp, got {mode!r}")
-        losses, times = train(model, args.steps + args.timed_steps, local, args.compile, args.timed_steps)
+        losses, times = train(model, args.steps + args.timed_steps, local, args.compile, args.timed_steps,
+                              lr=args.lr)
         losses = losses[:args.steps]
         if mode == "fsdp2":  # each rank's loss is over its own sequences
             losses = mean_over_ranks(losses, device)
