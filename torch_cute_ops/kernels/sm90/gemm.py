@@ -30,7 +30,8 @@ are 128 wide (128 bytes, one swizzle atom, as for 16-bit types). "tensor" and "r
 multiply the fp32 accumulator in the epilogue; "block" scales (1 x 128 blocks of A, 128 x 128
 of B) are applied per k-tile: each k-tile's WGMMA batch accumulates into a fresh fp32
 fragment that is then added to the running one times ``scale_a[row] * scale_b[block]``, so
-the tensor cores' reduced-precision FP8 accumulation never spans more than 128 of K.
+the tensor cores' reduced-precision FP8 accumulation never spans more than 128 of K. Two such
+fragments take turns, so a k-tile is promoted while the next one's batch runs.
 
 The tile schedule is :class:`~..common.tile_scheduler.PersistentTileScheduler`
 (banded rasterization for L2 reuse); the tile/cluster come from
