@@ -8,8 +8,8 @@ the public API (``tco.gemm``) beside cuBLAS (``torch.matmul``) and QuACK
 (``quack.gemm_interface.gemm``), plus a bare-kernel column (the cached launch plan called
 directly: no validation, dispatch or allocation), and prints TFLOP/s and ratios; also the
 fused bias + gelu_tanh epilogue against torch.addmm + F.gelu, the first-call compile time, and
-the eager per-call host time at 64x64x64 (``torch_cute_ops.measure.host_times``). Writes DIR/gemm.json (and DIR/gemm.png when
-matplotlib is there).
+the eager per-call host time at 64x64x64 (``torch_cute_ops.measure.host_times``). Writes
+DIR/gemm.json (and DIR/gemm.png when matplotlib is there).
 """
 
 import argparse
