@@ -59,6 +59,9 @@ def parse_args(argv=None):
     # 1e-3 diverged after 6 steps on two H200s (loss 4.9 -> 27.5 in every run, session 11), after
     # which the curves are chaos, not a comparison
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--no-reshard", action="store_true",
+                        help="FSDP2 keeps each block's parameters gathered from forward to backward "
+                             "(reshard_after_forward=False: one all-gather per step instead of two, more memory)")
     args = parser.parse_args(argv)
     if args.cpu:  # a tiny model: the reference path does the math
         args.seqlen, args.dim, args.heads, args.kv_heads, args.layers, args.vocab = 16, 32, 4, 2, 2, 64
@@ -170,8 +173,8 @@ def main(argv=None) -> dict:
         model = copy.deepcopy(base)
         if mode == "fsdp2":
             for layer in model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, reshard_after_forward=not args.no_reshard)
+            fully_shard(model, mesh=mesh, reshard_after_forward=not args.no_reshard)
             local = lambda step: data[step % 2][rank * args.batch:(rank + 1) * args.batch]  # noqa: E731
             tokens_per_step = world * tokens_per_gpu
         elif mode == "tp":
