@@ -8,16 +8,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import ncu_source  # noqa: E402
 
+HEADER_A = ",".join(f'"{c}"' for c in ("Address", "Source", "Warp Stall Sampling (All Samples)",
+                                           "Instructions Executed", "stall_barrier", "stall_barrier (Not Issued)",
+                                           "stall_wait"))
 CSV = '''==PROF== Connected to process 1
 "Kernel Name","kernel_gemm_a",
-"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_barrier","stall_barrier (Not Issued)","stall_wait"
+{header_a}
 "0x10","FFMA R1, R2, R3, R1","5","1,024","0","0","5"
 "0x20","WARPGROUP.DEPBAR.LE gsb0, 0x0","30","16","30","12","0"
 "0x30","@!P0  SYNCS.ARRIVE.TRANS64.RED.A1T0 RZ, [R6+URZ], RZ","1","16","0","0","1"
 "Kernel Name","kernel_gemm_b",
 "Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_wait"
 "0x10","QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8], RZ","2","8","2"
-'''
+'''.format(header_a=HEADER_A)
 
 
 def test_kernels_rows_and_opcodes():
