@@ -607,14 +607,15 @@ def _bwd_workspaces(batch: int, heads: int, stat_rows: int, accum_rows: int, hea
 class FlashBwdLaunch:
     """The backward of one input layout: writes dq, dk, dv (preallocated, contiguous)."""
 
-    __slots__ = ("fn", "device_index", "deterministic", "unused_order")
+    __slots__ = ("fn", "device_index", "deterministic", "unused", "unused_order")
 
     def __init__(self, spec: KernelSpec, device_index: int):
         self.fn = get_compiled(spec)
         self.device_index = device_index
         self.deterministic = spec.get("deterministic", False)
+        self.unused = _unused_counter(device_index)  # the int32 tensors a variant never reads
         # the default variants' placeholder for the add counts: the compiled signature is 4-D
-        self.unused_order = _unused_counter(device_index).view(1, 1, 1, 1)
+        self.unused_order = self.unused.view(1, 1, 1, 1)
 
     def _dq_order(self, dq_accum: torch.Tensor, turns: torch.Tensor | None = None) -> tuple:
         """Deterministic variants: one zeroed int32 per dQ accumulator tile, the count of key
@@ -631,9 +632,8 @@ class FlashBwdLaunch:
         batch, seqlen_q, heads, head_dim = q.shape
         delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
                                                     head_dim, q.device)
-        unused = _unused_counter(self.device_index)
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum),
-                unused, unused, 0, 0,
+                self.unused, self.unused, 0, 0,
                 *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
 
@@ -647,7 +647,6 @@ class FlashBwdLaunch:
                                       lambda: _bwd_mask_summary(attn_mask, seqlen_q, seqlen_k, tiles, kv_heads))
         delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
                                                     head_dim, q.device)
-        unused = _unused_counter(self.device_index)
         m_blocks, n_blocks = blocks.shape[-2:]
         turns = None
         if self.deterministic:
@@ -655,7 +654,7 @@ class FlashBwdLaunch:
             turns = mask_summary(attn_mask, ("bwd turns", batch, seqlen_q, seqlen_k, tiles, kv_heads), lambda: dq_turns(
                 ranges, m_blocks).expand(batch, kv_heads, n_blocks, m_blocks).contiguous())
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum, turns),
-                unused, unused, 0, 0,
+                self.unused, self.unused, 0, 0,
                 _kernel_mask(attn_mask, batch, heads, seqlen_q, seqlen_k),
                 blocks.expand(batch, heads, m_blocks, n_blocks), ranges.expand(batch, kv_heads, n_blocks, 2),
                 softmax_scale, 0, 0, 0.0)
