@@ -199,7 +199,7 @@ class FlashBwdSm90:
         rows.postprocess(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent, softmax_scale,
                          self._make_mmas()[2]).launch(
             grid=(cute.ceil_div(seqlen_q, self.tile_m), heads, batch),
-            block=[_NUM_MMA_THREADS, 1, 1], stream=stream)
+            block=[rows.post_threads, 1, 1], smem=rows.postprocess_smem_bytes(), stream=stream)
 
     @cute.jit
     def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, dq_order, mSeqInfoQ, mSeqInfoK,

@@ -18,7 +18,10 @@ from cutlass import Float32, Int32, const_expr
 
 from ...runtime.attention import STAT_PAD as _STAT_PAD
 from ..common.flash_common import LOG2_E
-from ..common.seqlen import SeqBounds
+from ..common.seqlen import SeqBounds, store_rows
+
+# the postprocess's smem dQ tile: its rows padded by 16 bytes (8 half-precision values)
+_DQ_ROW_PAD = 8
 
 
 def accumulator_order(chunk: cute.Tensor, thread: Int32, values: int) -> cute.Tensor:
@@ -34,6 +37,7 @@ class FlashBwdRowKernels:
     contiguous bytes of dO / O per thread and chunk, so that a warp reads whole 128-byte lines."""
 
     row_threads = 128
+    post_threads = 256  # the dQ GEMM's two warpgroups
 
     def __init__(self, dtype, head_dim: int, tile_m: int, rows: str):
         self.dtype = dtype
@@ -85,25 +89,36 @@ class FlashBwdRowKernels:
                 mLSElog2[stat_entry, h, stat_row] = cutlass.select_(lse == -math.inf, math.inf, lse * LOG2_E)
                 mDelta[stat_entry, h, stat_row] = total
 
+    def postprocess_smem_bytes(self) -> int:
+        return self.tile_m * (self.head_dim + _DQ_ROW_PAD) * self.dtype.width // 8
+
     @cute.kernel
     def postprocess(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
                     keys_extent: Int32, softmax_scale: Float32, mma_dq: cute.TiledMma):
         """One query block of one head: its two warpgroup tiles read in accumulator order, each
-        value put back at the (row, col) the dQ GEMM's C partition gives it, times the softmax
-        scale (the main loop adds unscaled dS K), in the input dtype."""
+        value times the softmax scale (the main loop adds unscaled dS K) put in the input dtype
+        at the (row, col) the dQ GEMM's C partition gives it in a shared-memory tile, and the
+        tile's real rows stored in 16-byte vectors: a warp writes whole 128-byte lines."""
         tidx = cute.arch.thread_idx()[0]
         m_block, h, b = cute.arch.block_idx()
         bounds = SeqBounds(b, mdQ.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
         if m_block * self.tile_m < bounds.seqlen_q:
+            # rows padded by 16 bytes: the C partition's 8 rows of a warp hit 8 different bank quads
+            sdQ = cutlass.memory.SmemAllocator().allocate_tensor(
+                self.dtype, cute.make_layout((self.tile_m, self.head_dim), stride=(self.head_dim + _DQ_ROW_PAD, 1)),
+                byte_alignment=16)
             row0, entry = bounds.padded_index(m_block * self.tile_m, b)
             tile = mdQacc[entry, h, row0 // self.tile_m, tidx // 128, None]
-            coords = mma_dq.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-            values = cute.size(coords)
+            tCsdQ = mma_dq.get_slice(tidx).partition_C(sdQ)
+            values = cute.size(tCsdQ)
             acc = cute.make_rmem_tensor((4, values // 4), Float32)
             cute.autovec_copy(accumulator_order(tile, tidx % 128, values), acc)
+            tCrdQ = cute.make_rmem_tensor_like(tCsdQ)
             for i in cutlass.range_constexpr(values):
-                row, col = coords[i]
-                s_row = m_block * self.tile_m + row
-                if s_row < bounds.seqlen_q:
-                    q_row, q_entry = bounds.q_index(s_row, b)
-                    mdQ[q_entry, q_row, h, col] = (acc[i % 4, i // 4] * softmax_scale).to(self.dtype)
+                tCrdQ[i] = (acc[i % 4, i // 4] * softmax_scale).to(self.dtype)
+            cute.autovec_copy(tCrdQ, tCsdQ)
+            cute.arch.sync_threads()
+            # (B, S, H, D) -> (S, D, H, B), the entry's rows of this block
+            mdQ_rows = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[1, 3, 2, 0]))
+            gdQ = cute.local_tile(bounds.q_rows(mdQ_rows, h, b), (self.tile_m, self.head_dim), (m_block, 0))
+            store_rows(sdQ, gdQ, bounds.seqlen_q - m_block * self.tile_m, tidx, self.post_threads)
