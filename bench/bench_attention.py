@@ -257,7 +257,8 @@ def save(rows: list[Row], providers, backward: bool, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     tag = "bwd" if backward else "fwd"
     records = [
-        {**asdict(row.shape), "ms": row.ms, "ms_rounds": row.ms_rounds, "notes": row.notes, "extra_mem_mb": row.extra_mem_mb,
+        {**asdict(row.shape), "ms": row.ms, "ms_rounds": row.ms_rounds, "notes": row.notes,
+         "extra_mem_mb": row.extra_mem_mb,
          "tflops": {p: tflops(row, p, backward) for p in row.ms}}
         for row in rows
     ]

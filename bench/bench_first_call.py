@@ -31,7 +31,8 @@ def main() -> None:
     args = parser.parse_args()
     results = {"import": measure.import_cost()}
     imp = results["import"]
-    print(f"import torch {imp['import_torch_s']:.2f} s; import torch_cute_ops adds {imp['import_package_s'] * 1e3:.0f} ms"
+    print(f"import torch {imp['import_torch_s']:.2f} s; "
+          f"import torch_cute_ops adds {imp['import_package_s'] * 1e3:.0f} ms"
           f" (heavy modules loaded: {', '.join(imp['heavy_modules']) or 'none'})")
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as aot_tmp, \
             tempfile.TemporaryDirectory() as empty:

@@ -3,13 +3,13 @@
     python bench/bench_gemm.py --out DIR [--quick]
 
 Times every shape with triton.testing.do_bench (medians, warmed-up JIT, random bf16
-data, providers interleaved over ``--rounds`` rounds), A (M, K) and B (K, N) row-major, through the public API (``tco.gemm``) beside
-cuBLAS (``torch.matmul``) and QuACK (``quack.gemm_interface.gemm``), plus a bare-kernel
-column (the cached launch plan called directly: no validation, dispatch or allocation), and
-prints TFLOP/s and ratios; also the fused bias + gelu_tanh epilogue against torch.addmm +
-F.gelu, the first-call compile time, and the eager per-call host time at 64x64x64
-(``torch_cute_ops.measure.host_times``). Writes DIR/gemm.json (and DIR/gemm.png when
-matplotlib is there).
+data, providers interleaved over ``--rounds`` rounds), A (M, K) and B (K, N) row-major, through
+the public API (``tco.gemm``) beside cuBLAS (``torch.matmul``) and QuACK
+(``quack.gemm_interface.gemm``), plus a bare-kernel column (the cached launch plan called
+directly: no validation, dispatch or allocation), and prints TFLOP/s and ratios; also the
+fused bias + gelu_tanh epilogue against torch.addmm + F.gelu, the first-call compile time, and
+the eager per-call host time at 64x64x64 (``torch_cute_ops.measure.host_times``). Writes
+DIR/gemm.json (and DIR/gemm.png when matplotlib is there).
 """
 
 import argparse
@@ -111,7 +111,8 @@ def main():
         results["gemm"].append(row)
         quack_cols = f"{row['quack']:6.0f} {row['ours'] / row['quack']:6.2f}" if quack else f"{'-':>6} {'-':>6}"
         print(f"{m:>6} x {n:>5} x {k:>5} {row['config_short']:>16} {row['ours']:6.0f} {row['cublas']:6.0f} "
-              f"{quack_cols.split()[0]:>6} {row['ours'] / row['cublas']:7.3f} {quack_cols.split()[1]:>6} {row['bare']:6.0f}  "
+              f"{quack_cols.split()[0]:>6} {row['ours'] / row['cublas']:7.3f} {quack_cols.split()[1]:>6} "
+              f"{row['bare']:6.0f}  "
               + " ".join(f"{name} {t:.0f}" for name, t in row["configs"].items()))
 
     print(f"\n{'fused bias+gelu_tanh':>22} {'ours':>6} {'addmm+gelu':>10} {'ratio':>6}")

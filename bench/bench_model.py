@@ -100,8 +100,9 @@ def main() -> None:
     for _ in range(args.rounds):
         for c, timed in runners.items():
             samples[c].append(timed())
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args) | {
-        "out": str(args.out)}, "rows": [], "fallbacks": {f"{op}: {why}": n for (op, why), n in tco.fallback_counts().items()}}
+    fallbacks = {f"{op}: {why}": n for (op, why), n in tco.fallback_counts().items()}
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "args": vars(args) | {"out": str(args.out)}, "rows": [], "fallbacks": fallbacks}
     print(f"{results['device']}: Llama {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, "
           f"B{args.batch} S{args.seqlen}; tokens/s (real tokens), median of {args.rounds} rounds of {args.steps} steps")
     print(f"{'mode':<8} {'':<9} {'sdpa':>10} {'cute':>10} {'cute/sdpa':>10}")

@@ -101,7 +101,8 @@ def main() -> None:
         line = f"{kind}: tco {ours:.3f} ms ({flops * mult / ours / 1e9:.0f} TFLOP/s)"
         if fa4 is not None:
             theirs = ms[f"fa4 {kind}"]
-            line += f", FA4 {theirs:.3f} ms ({flops * mult / theirs / 1e9:.0f} TFLOP/s), tco/FA4 speed {theirs / ours:.2f}x"
+            line += (f", FA4 {theirs:.3f} ms ({flops * mult / theirs / 1e9:.0f} TFLOP/s), "
+                     f"tco/FA4 speed {theirs / ours:.2f}x")
         print(line)
     print(f"fallbacks: {tco.fallback_counts() or 'none'}; rel. diff of outputs vs FA4: {err}")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -76,7 +76,8 @@ def main() -> None:
         line = f"{kind}: tco window {ours:.3f} ms, tco full causal {ms[f'tco causal {kind}']:.3f} ms " \
                f"(window/causal {ours / ms[f'tco causal {kind}']:.2f}x time)"
         if fa4 is not None:
-            line += f", FA4 window {ms[f'fa4 window {kind}']:.3f} ms (tco/FA4 speed {ms[f'fa4 window {kind}'] / ours:.2f}x)"
+            theirs = ms[f"fa4 window {kind}"]
+            line += f", FA4 window {theirs:.3f} ms (tco/FA4 speed {theirs / ours:.2f}x)"
         print(line)
     if args.softcap:
         for kind in ("fwd", "bwd"):

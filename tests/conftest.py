@@ -25,6 +25,7 @@ def _fresh_fallback_counts(monkeypatch):
 @pytest.fixture
 def deterministic():
     """torch.use_deterministic_algorithms(True[, warn_only]) for one test, restored after."""
-    was, was_warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    was = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     yield lambda warn_only=False: torch.use_deterministic_algorithms(True, warn_only=warn_only)
     torch.use_deterministic_algorithms(was, warn_only=was_warn_only)

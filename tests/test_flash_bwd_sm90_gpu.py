@@ -179,7 +179,8 @@ def test_deterministic_mode_gives_bitwise_reproducible_gradients(case):
         kwargs = {"causal": case not in ("gqa-full", "window-both-sides", "d64-full"), "window_size": window}
         call = lambda **det: tco.flash_attn_func(q, k, v, **kwargs, **det)  # noqa: E731
     default = torch.autograd.grad(call(), (q, k, v), dout)
-    was, was_warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    was = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     try:
         torch.use_deterministic_algorithms(not flag)
         fallback.reset()

@@ -145,7 +145,7 @@ def test_compiled_decode_step_keeps_the_cache_write():
     k_cache = torch.zeros(batch, cap, 2, 128, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)
     q = torch.randn(batch, 1, 8, 128, device="cuda").bfloat16()
-    k, v = torch.randn(batch, 1, 2, 128, device="cuda").bfloat16(), torch.randn(batch, 1, 2, 128, device="cuda").bfloat16()
+    k, v = (torch.randn(batch, 1, 2, 128, device="cuda").bfloat16() for _ in range(2))
 
     def step(q, k_cache, v_cache, k, v, lengths):
         return tco.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True)

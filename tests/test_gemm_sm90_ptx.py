@@ -54,7 +54,8 @@ def test_pingpong_ptx(tmp_path):
 
 FP8_CASES = [  # (scale mode, a, b, out, bias dtype, activation, tile)
     ("tensor", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, None, None, GemmConfig(128, 256, 2, 1)),
-    ("row", torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.bfloat16, "gelu_tanh", GemmConfig(128, 256, 2, 1)),
+    ("row", torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.bfloat16, "gelu_tanh",
+     GemmConfig(128, 256, 2, 1)),
     ("block", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, None, None, GemmConfig(128, 128, 2, 1)),
     ("block", torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.float32, None, GemmConfig(64, 128)),
 ]
@@ -168,7 +169,8 @@ def test_unsupported_reasons():
 
 
 def test_scheduler_covers_every_tile_once():
-    for clusters_m, clusters_n, batches, group, band_m in [(5, 7, 2, 3, True), (4, 4, 1, 8, False), (9, 2, 3, 2, False)]:
+    cases = [(5, 7, 2, 3, True), (4, 4, 1, 8, False), (9, 2, 3, 2, False)]
+    for clusters_m, clusters_n, batches, group, band_m in cases:
         sched = PersistentTileScheduler(clusters_m, clusters_n, batches, (1, 1), group, band_m)
         seen = {tuple(int(v) for v in sched.cluster_coord(w)) for w in range(sched.num_work_units)}
         assert len(seen) == clusters_m * clusters_n * batches

@@ -42,7 +42,8 @@ def test_non_contiguous_inputs_from_transposed_projections():
 
 
 @pytest.mark.parametrize("kwargs,reason", [
-    (dict(attn_mask=torch.zeros(9, 9).requires_grad_()), "attn_mask requires grad (the kernels do not differentiate it)"),
+    (dict(attn_mask=torch.zeros(9, 9).requires_grad_()),
+     "attn_mask requires grad (the kernels do not differentiate it)"),
     (dict(dropout_p=0.5), "dropout is not supported by the kernels"),
 ])
 def test_uncovered_features_go_to_pytorch_and_are_counted(kwargs, reason):

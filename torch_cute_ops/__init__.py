@@ -18,7 +18,8 @@ from .sdpa import (disable_sdpa_override, enable_sdpa_override, scaled_dot_produ
 
 __all__ = [
     "FallbackError", "disable_sdpa_override", "enable_sdpa_override", "fallback_counts",
-    "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "gemm", "linear", "scaled_dot_product_attention",
+    "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "gemm", "linear",
+    "scaled_dot_product_attention",
     "scaled_mm", "sdpa_override",
     "sdpa_override_enabled",
 ]

@@ -120,7 +120,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             k: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                            cache_seqlens: torch.Tensor | int | None = None, cache_batch_idx: torch.Tensor | None = None,
+                            cache_seqlens: torch.Tensor | int | None = None,
+                            cache_batch_idx: torch.Tensor | None = None,
                             page_table: torch.Tensor | None = None, softmax_scale: float | None = None,
                             causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             return_lse: bool = False):

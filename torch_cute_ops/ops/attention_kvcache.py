@@ -71,7 +71,8 @@ def _check_values(q, k_cache, k, cache_seqlens, cache_batch_idx, page_table) -> 
     new = 0 if k is None else k.shape[1]
     key = (*(id(t) for t in tensors), new, tuple(k_cache.shape))
     seen = _checked.get(key)
-    if seen is not None and all(r() is t for r, t in zip(seen[0], tensors)) and seen[1] == [t._version for t in tensors]:
+    if (seen is not None and all(r() is t for r, t in zip(seen[0], tensors))
+            and seen[1] == [t._version for t in tensors]):
         return
     bounds = [(cache_seqlens.min(), cache_seqlens.max() + new)]
     if cache_batch_idx is not None:
@@ -146,7 +147,7 @@ def _make_plan(key, q, k_cache, v_cache, page_table, causal, local, softcap):
         host = dispatch.kernel_for("flash_attn_kvcache", q.device)
         if isinstance(host, str):
             plan = host
-        elif k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1) or v_cache.stride(0) != v_cache.shape[1] * v_cache.stride(1):
+        elif any(cache.stride(0) != cache.shape[1] * cache.stride(1) for cache in (k_cache, v_cache)):
             plan = "k_cache/v_cache: the first two dims must be mergeable (rows of a (pages * page_size) view)"
         else:
             config = host.kvcache_config(q.shape[-1], None if page_table is None else k_cache.shape[1])

@@ -77,7 +77,8 @@ class PersistentTileScheduler:
         return [v for x in (self.clusters_m, self.clusters_n, self.num_batches) for v in extract_mlir_values(x)]
 
     def __new_from_mlir_values__(self, values):
-        counts = [new_from_mlir_values(x, [v]) for x, v in zip((self.clusters_m, self.clusters_n, self.num_batches), values)]
+        counts = [new_from_mlir_values(x, [v])
+                  for x, v in zip((self.clusters_m, self.clusters_n, self.num_batches), values)]
         return PersistentTileScheduler(*counts, self.cluster_shape_mn, self.group_size, self.band_along_m)
 
     # ---- host side -------------------------------------------------------------------

@@ -775,6 +775,7 @@ def build(spec: KernelSpec):
     cu_seqlens = lambda: cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, cu_seqlens(), cu_seqlens(),
-                 Int32(0), Int32(0), *mask_fakes(spec["attn_mask"], dtype, bool_as_bits=True), 1.0, Int32(0), Int32(0), Float32(1.0),
+                 Int32(0), Int32(0), *mask_fakes(spec["attn_mask"], dtype, bool_as_bits=True), 1.0, Int32(0), Int32(0),
+                 Float32(1.0),
                  132, stream, *split_fakes(head_dim))
     return kernel, fake_args

@@ -224,8 +224,8 @@ class Sm90Gemm:
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
                mB_nkl: cute.Tensor, tma_atom_c, mC_mnl: cute.Tensor, mBias: cute.Tensor, mScaleA: cute.Tensor,
-               mScaleB: cute.Tensor, alpha: Float32, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
-               sC_layout: cute.ComposedLayout):
+               mScaleB: cute.Tensor, alpha: Float32, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
+               sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = warp_idx // 4
