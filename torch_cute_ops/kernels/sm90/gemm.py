@@ -319,8 +319,9 @@ class Sm90Gemm:
         """WGMMA main loop, then the fused epilogue, for every tile of this tile group."""
         group = mma_tidx // self.tile_threads
         group_tidx = mma_tidx % self.tile_threads
-        # WGMMA is issued per warpgroup: slice the MMA by warpgroup, the epilogue by thread
-        wg_slice = tiled_mma.get_slice((group_tidx // 128) * 128)
+        # WGMMA is issued per warpgroup: slice the MMA by warpgroup (a warp-uniform value, so the
+        # smem descriptors are built in uniform registers), the epilogue by thread
+        wg_slice = tiled_mma.get_slice(cute.arch.make_warp_uniform((group_tidx // 128) * 128))
         tCrA = tiled_mma.make_fragment_A(wg_slice.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(wg_slice.partition_B(sB))
         tile_m, tile_n, _ = self.tile_shape_mnk
