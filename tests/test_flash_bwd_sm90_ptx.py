@@ -54,6 +54,25 @@ def test_ptx_is_warp_specialized_wgmma_with_tma(spec_args, tmp_path):
         assert " 0 bytes spill stores" in report.split("_main_kernel")[-1]
 
 
+def _entry(ptx: str, name_part: str) -> str:
+    """The body of the one kernel entry whose name contains ``name_part``."""
+    starts = [i for i in range(len(ptx)) if ptx.startswith(".entry ", i)] + [len(ptx)]
+    (body,) = [ptx[a:b] for a, b in zip(starts, starts[1:]) if name_part in ptx[a:b].split("(")[0]]
+    return body
+
+
+@pytest.mark.parametrize("rows", ["dense", "packed"])
+def test_dq_postprocess_stores_whole_vectors(rows, tmp_path):
+    """The postprocess moves dQ through shared memory and writes it to global memory in 16-byte
+    vectors only: storing each value at its MMA coordinate (2 bytes at a time) made it take
+    three times FA4's postprocess (bench/NOTES.md, session 12)."""
+    post = _entry(_ptx(flash_host.bwd_spec("bf16", 128, False, rows=rows), tmp_path), "postprocess")
+    stores = {line.split()[0] for line in post.splitlines() if line.strip().startswith("st.global")}
+    assert stores == {"st.global.v4.b32"}
+    assert "ld.global.v4.b32" in post  # the fp32 accumulator read in 16-byte groups
+    assert "st.shared" in post and "bar.sync" in post
+
+
 def test_family_registered_and_shipped():
     specs = shipped_specs("sm_90a", "flash_bwd_sm90")
     assert specs and all(s.family == "flash_bwd_sm90" for s in specs)
