@@ -63,7 +63,7 @@ from ..common.flash_common import (
     mask_scores, query_block_range, tiled_wgmma, transposed_view,
 )
 from ..common.mask_args import mask_fakes
-from ..common.seqlen import SeqBounds, store_rows
+from ..common.seqlen import SeqBounds, seq_major, store_rows
 from .flash_bwd_rows import FlashBwdRowKernels, accumulator_order
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -206,11 +206,7 @@ class FlashBwdSm90:
     def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, dq_order, mSeqInfoQ, mSeqInfoK,
                      mask_args, batch, seqlen_k, softmax_scale, window_left, window_right, softcap, stream):
         # (B, S, H, D) -> (S, D, H, B): TMA tiles over (S, D); (B, H, S) -> (S, H, B)
-        seq_major = [1, 3, 2, 0]
-        mQ, mK, mV, mdO, mdK, mdV = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=seq_major))
-            for t in (mQ, mK, mV, mdO, mdK, mdV)
-        ]
+        mQ, mK, mV, mdO, mdK, mdV = [seq_major(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSElog2, mDelta = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                             for t in (mLSElog2, mDelta)]
         mma_sdp, mma_dkv, mma_dq = self._make_mmas()

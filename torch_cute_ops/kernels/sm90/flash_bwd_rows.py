@@ -18,7 +18,7 @@ from cutlass import Float32, Int32, const_expr
 
 from ...runtime.attention import STAT_PAD as _STAT_PAD
 from ..common.flash_common import LOG2_E
-from ..common.seqlen import SeqBounds, store_rows
+from ..common.seqlen import SeqBounds, seq_major, store_rows
 
 # the postprocess's smem dQ tile: its rows padded by 16 bytes (8 half-precision values)
 _DQ_ROW_PAD = 8
@@ -118,7 +118,6 @@ class FlashBwdRowKernels:
                 tCrdQ[i] = (acc[i % 4, i // 4] * softmax_scale).to(self.dtype)
             cute.autovec_copy(tCrdQ, tCsdQ)
             cute.arch.sync_threads()
-            # (B, S, H, D) -> (S, D, H, B), the entry's rows of this block
-            mdQ_rows = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[1, 3, 2, 0]))
-            gdQ = cute.local_tile(bounds.q_rows(mdQ_rows, h, b), (self.tile_m, self.head_dim), (m_block, 0))
+            # the entry's rows of this block
+            gdQ = cute.local_tile(bounds.q_rows(seq_major(mdQ), h, b), (self.tile_m, self.head_dim), (m_block, 0))
             store_rows(sdQ, gdQ, bounds.seqlen_q - m_block * self.tile_m, tidx, self.post_threads)
