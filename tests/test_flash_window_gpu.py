@@ -123,6 +123,8 @@ SOFTCAP_CASES = [
     (128, 700, 700, 4, 1, True, 100, 30.0, 10.0),    # Gemma 2's sliding layers: window + softcap
     (256, 300, 300, 2, 2, True, 64, 50.0, 30.0),
     (96, 129, 257, 2, 2, False, None, 5.0, 1.0),
+    # caps above BOUNDED_SOFTCAP_MAX (69.3) keep the running max; the ones above skip it
+    (128, 400, 400, 4, 2, True, None, 100.0, 60.0),
 ]
 
 
@@ -151,3 +153,29 @@ def test_softcap_forward_and_backward(case):
                         softcap)
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         _close(name, g, r, 3e-2)
+
+
+@pytest.mark.parametrize("softcap", [30.0, 50.0, 69.0, 100.0])
+def test_softcap_rows_of_saturated_scores(softcap):
+    """Every score of a row capped near -softcap (queries pointing away from all keys): the
+    bounded-score forward (no running max, bf16 caps <= 69.3) takes exp2 of about -softcap *
+    log2(e) for all of them and must still normalize the row (no underflow to a zero sum), as
+    the running-max forward does above that cap."""
+    from torch_cute_ops.runtime import attention as flash_host
+
+    assert (flash_host.softcap_kind(softcap, torch.bfloat16) == "bounded") == (softcap <= 69.3)
+    gen = torch.Generator(device="cuda").manual_seed(int(softcap))
+    s_q, s_k, heads, head_dim = 200, 333, 2, 128
+    direction = torch.randn(1, 1, heads, head_dim, device="cuda", generator=gen)
+    k = (direction + 0.05 * torch.randn(1, s_k, heads, head_dim, device="cuda", generator=gen)).bfloat16()
+    q = (-40.0 * direction + torch.randn(1, s_q, heads, head_dim, device="cuda", generator=gen)).bfloat16()
+    v = torch.randn(1, s_k, heads, head_dim, device="cuda", generator=gen).bfloat16()
+    scale = head_dim ** -0.5
+    ref_out, ref_lse = ref_fwd(q.float(), k.float(), v.float(), scale, False, None, None, softcap)
+    assert (ref_lse < 0).all()  # the scores really are near -softcap
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((1, heads, s_q), float("nan"), device="cuda")
+    flash_host.launch_fwd(q, k, v, out, lse, scale, False, softcap=softcap)
+    torch.cuda.synchronize()
+    _close("out", out, ref_out, 2e-2)
+    _close("lse", lse, ref_lse, 1e-3)
