@@ -696,10 +696,11 @@ class FlashFwdSm90:
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         to_p(acc_s)  # P(n+1) is consumed: overwrite it
-        if const_expr(self.rescale_before_pv):
-            o_scale.store(row_scale.load())
-        else:
-            scale_rows(acc_o, row_scale, grew)
+        if const_expr(not self.bounded_scores):  # bounded scores: O is never rescaled
+            if const_expr(self.rescale_before_pv):
+                o_scale.store(row_scale.load())
+            else:
+                scale_rows(acc_o, row_scale, grew)
         return kv_state
 
     def sched_wait(self, wg):
