@@ -131,17 +131,17 @@ def test_o_rescale_is_skipped_by_whole_warps(ptx_by_variant):
         assert "vote.sync.any.pred" in ptx_by_variant[variant], variant
 
 
-def test_softcap_kind_picks_the_bounded_softmax_for_bf16_caps_up_to_69():
-    """exp2(softcap * log2(e) * tanh(u)) stays within 2^+-100 for caps up to 100 / log2(e): the
-    forward then needs no running max. fp16 P would overflow past 2^16, and larger caps could
-    underflow a whole row."""
+def test_softcap_kind_picks_the_bounded_softmax_for_bf16_caps_up_to_63():
+    """With one fixed max, exp2(softcap * log2(e) * tanh(u) - shift) spans 2 * softcap * log2(e)
+    octaves, within [2^-120, 2^64] for caps up to 92 / log2(e): the forward then needs no running
+    max. fp16 P would overflow past 2^16, and larger caps could underflow a whole row."""
     import torch
 
     kind = flash_host.softcap_kind
     assert kind(0.0, torch.bfloat16) == "none"
-    assert [kind(c, torch.bfloat16) for c in (1.0, 30.0, 50.0, 69.0)] == ["bounded"] * 4
-    assert kind(70.0, torch.bfloat16) == kind(50.0, torch.float16) == "capped"
-    assert abs(flash_host.BOUNDED_SOFTCAP_MAX * 1.4426950408889634 - 100.0) < 1e-9
+    assert [kind(c, torch.bfloat16) for c in (1.0, 30.0, 50.0, 63.0)] == ["bounded"] * 4
+    assert kind(64.0, torch.bfloat16) == kind(50.0, torch.float16) == "capped"
+    assert abs(flash_host.BOUNDED_SOFTCAP_MAX * 1.4426950408889634 - 92.0) < 1e-9
 
 
 def test_bounded_softcap_forward_has_no_running_max(tmp_path, monkeypatch):
