@@ -40,7 +40,7 @@ causal mask a key block reaches each query block after the higher blocks (which 
 diagonal, later in the sequence) have added theirs: in key order, the first key block would
 hold every other one back by its whole loop.
 Extra memory: delta and lse * log2(e) (2 x B*H*S_q fp32, padded) and the dQ accumulator
-(B*S_q*H*D fp32, S_q padded to whole query blocks; zeroed by the host).
+(B*S_q*H*D fp32, S_q padded to whole query blocks; zeroed by the preprocess).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ class FlashBwdSm90:
             padded_q = cute.ceil_div(max_seqlen_q, _STAT_PAD) * _STAT_PAD
         heads, keys_extent = cute.size(mQ.shape[2]), mK.shape[1]
         rows = self.row_kernels
-        rows.preprocess(mO, mdO, mLSE, mDelta, mLSElog2, mSeqInfoQ, mSeqInfoK, keys_extent).launch(
+        rows.preprocess(mO, mdO, mLSE, mDelta, mLSElog2, mdQacc, mSeqInfoQ, mSeqInfoK, keys_extent).launch(
             grid=(cute.ceil_div(padded_q * heads, rows.rows_per_cta), batch, 1),
             block=[rows.row_threads, 1, 1], stream=stream)
         self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, (mDqOrder, mDqTurns), mSeqInfoQ,
