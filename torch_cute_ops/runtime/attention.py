@@ -616,12 +616,13 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
 
 def _bwd_workspaces(batch: int, heads: int, stat_rows: int, accum_rows: int, head_dim: int, device) -> tuple:
     """The backward's fp32 workspaces: delta and lse * log2(e) (batch, heads, stat_rows), padded to
-    whole query blocks, and the zeroed dQ accumulator (batch, heads, query blocks of accum_rows,
-    warpgroup, its tile in accumulator order: see kernels/sm90/flash_bwd.py)."""
+    whole query blocks, and the dQ accumulator (batch, heads, query blocks of accum_rows,
+    warpgroup, its tile in accumulator order: see kernels/sm90/flash_bwd.py), which the kernel's
+    preprocess zeroes."""
     delta = torch.empty((batch, heads, stat_rows), dtype=torch.float32, device=device)
     lse_log2 = torch.empty((batch, heads, stat_rows), dtype=torch.float32, device=device)
     blocks = -(-accum_rows // DQ_BLOCK_ROWS)
-    dq_accum = torch.zeros((batch, heads, blocks, 2, DQ_BLOCK_ROWS * head_dim // 2), dtype=torch.float32,
+    dq_accum = torch.empty((batch, heads, blocks, 2, DQ_BLOCK_ROWS * head_dim // 2), dtype=torch.float32,
                            device=device)
     return delta, lse_log2, dq_accum
 
