@@ -34,10 +34,13 @@ def test_ptx_is_warp_specialized_wgmma_with_tma(spec_args, tmp_path):
     assert ".target sm_90a" in ptx
     tile_m, tile_n, _ = flash_host.BWD_TILES[head_dim]
     # per query block, per 64-row WGMMA atom of a warpgroup: S and dP (head_dim / 16 k-steps;
-    # transposed, one 64-key atom), dQ (tile_n / 16), dV and dK (tile_m / 16, one 64-key atom)
-    sdp_atoms = 1 if tile_n == 128 else tile_m // 64
+    # transposed (64 x 128 tiles), one 64-key atom; else tile_m / 64 query atoms), dQ
+    # (tile_n / 16), dV and dK (tile_m / 16; transposed one 64-key atom, else tile_n / 64)
+    swap = (tile_m, tile_n) == (64, 128)
+    sdp_atoms = 1 if swap else tile_m // 64
+    dkv_atoms = 1 if swap else tile_n // 64
     expected_wgmma = (2 * sdp_atoms * head_dim // 16 + (tile_m // 64) * tile_n // 16
-                      + 2 * tile_m // 16)
+                      + 2 * dkv_atoms * tile_m // 16)
     assert ptx.count("wgmma.mma_async") == expected_wgmma
     assert "cp.async.bulk.tensor" in ptx  # TMA loads/stores
     # dQ: each warpgroup's tile stored in accumulator order (16-byte vectors) and added with one
