@@ -24,8 +24,9 @@ One compiled function runs three kernels on the current stream:
      order (each thread's values in 16-byte groups, a warp's groups contiguous: vector
      stores without bank conflicts, one base address), and the accumulator keeps that
      order: a (B, H, query block, warpgroup, tile) buffer that the postprocess puts back;
-3. postprocess (flash_bwd_rows.py): scale the fp32 dQ accumulator by the softmax scale and
-   convert it to the input dtype.
+3. postprocess (flash_bwd_rows.py): scale the fp32 dQ accumulator by the softmax scale,
+   convert it to the input dtype and put each value back at its (row, col) through a
+   shared-memory tile, whose rows leave in 16-byte vectors.
 
 Determinism: dK and dV are deterministic (a CTA owns its key block and loops over the
 query heads of its kv head in a fixed order, so GQA needs no atomics). dQ is summed by
