@@ -12,11 +12,11 @@ One compiled function runs three kernels on the current stream:
    * warpgroups 1-2 (240 registers) recompute ``P = exp2(S * scale * log2 e - lse * log2 e)``
      and ``dS = P (dP - delta)`` from WGMMAs ``S = Q K^T`` and ``dP = dO V^T``, then
      ``dV += P^T dO``, ``dK += dS^T Q`` (fp32 accumulators in registers for the whole CTA)
-     and ``dQ = dS K``. With 128-key blocks (head dims 64-128) S and dP are computed
+     and ``dQ = dS K``. With 64 x 128 tiles (head dims 96, 128) S and dP are computed
      transposed, keys along WGMMA's M, so that each warpgroup holds P^T and dS^T of its
      own 64 keys in registers: dV and dK take them as register A operands, and only dS
-     goes through smem (stmatrix), for dQ. With 64-key blocks (head dims 192, 256) P and
-     dS both go through smem. Each warpgroup writes its half of the dQ tile to smem and
+     goes through smem (stmatrix), for dQ. Otherwise (128 x 128 at head dim 64, 64 x 64
+     at 192 and 256) P and dS both go through smem. Each warpgroup writes its half of the dQ tile to smem and
      moves on; causal blocks above the diagonal are never loaded nor computed;
    * warps 1 and 2 (one per MMA warpgroup): add each dQ tile to the fp32 accumulator in
      global memory with one 1-D bulk reduce-add (``cp.reduce.async.bulk``), handing the
