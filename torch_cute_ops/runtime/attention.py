@@ -129,8 +129,8 @@ def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None =
 # the whole key block in registers (tile_n * head_dim * 2 / 256 fp32 per thread), and smem
 # holds K, V, num_stages x (Q, dO, dS, and P when it is not kept in registers) and the
 # fp32 dQ tile (<= 227 KB). At head dim 64 the query tiles have 128 rows, as FlashAttention's
-# Hopper backward has them (half the K/V-side work per query): S is then computed untransposed and
-# P and dS go through smem, one buffer (the transposed register-operand layout spilled at 128 rows).
+# Hopper backward has them (half the K/V-side work per query), with P^T in registers and two dS
+# stages; dV's WGMMA then waits for dS (kernels/sm90/flash_bwd.py: the registers are full).
 BWD_TILES = {
     64: (128, 128, 2),
     96: (64, 128, 2),

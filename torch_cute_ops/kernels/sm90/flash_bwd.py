@@ -12,11 +12,11 @@ One compiled function runs three kernels on the current stream:
    * warpgroups 1-2 (240 registers) recompute ``P = exp2(S * scale * log2 e - lse * log2 e)``
      and ``dS = P (dP - delta)`` from WGMMAs ``S = Q K^T`` and ``dP = dO V^T``, then
      ``dV += P^T dO``, ``dK += dS^T Q`` (fp32 accumulators in registers for the whole CTA)
-     and ``dQ = dS K``. With 64 x 128 tiles (head dims 96, 128) S and dP are computed
+     and ``dQ = dS K``. With 128-key blocks (head dims 64-128) S and dP are computed
      transposed, keys along WGMMA's M, so that each warpgroup holds P^T and dS^T of its
      own 64 keys in registers: dV and dK take them as register A operands, and only dS
-     goes through smem (stmatrix), for dQ. Otherwise (128 x 128 at head dim 64, 64 x 64
-     at 192 and 256) P and dS both go through smem. Each warpgroup writes its half of the dQ tile to smem and
+     goes through smem (stmatrix), for dQ. With 64-key blocks (head dims 192, 256) P and
+     dS both go through smem. Each warpgroup writes its half of the dQ tile to smem and
      moves on; causal blocks above the diagonal are never loaded nor computed;
    * warps 1 and 2 (one per MMA warpgroup): add each dQ tile to the fp32 accumulator in
      global memory with one 1-D bulk reduce-add (``cp.reduce.async.bulk``), handing the
@@ -144,9 +144,11 @@ class FlashBwdSm90:
         # keys along WGMMA's M): each warpgroup then holds P^T and dS^T of its own keys in
         # registers, exactly the A operands of dV += P^T dO and dK += dS^T Q, and only dS
         # goes through smem (for dQ). Narrower key blocks split S by keys along N instead.
-        # 128-row query tiles keep S untransposed (transposed, P^T and dS^T as register operands
-        # spill there).
-        self.swap_sdp = tile_n == 128 and tile_m == 64
+        self.swap_sdp = tile_n == 128
+        # 128 query rows: S^T, dP^T (64 fp32 each), P^T (32) and dK, dV (64) fill the 240
+        # registers, so dV's WGMMA waits until dS is formed instead of overlapping it (its
+        # register operand in flight made ptxas serialize the WGMMAs)
+        self.dv_after_ds = self.swap_sdp and tile_m == 128
         # dK, dV tile (tile_n, head_dim) split over the two MMA warpgroups
         self.dkv_atoms = (2, 1) if self.swap_sdp else (1, 2)
         self.pds_stages = self._pds_stages()
@@ -577,9 +579,10 @@ class FlashBwdSm90:
                                                   fastmath=True)
             rP = _to_dtype(acc_S, self.dtype)
             if const_expr(swap):
-                # dV += P^T dO straight from registers, on the tensor cores while dS forms
-                _wgmma(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
-                       tdVrdOt[None, None, None, do_idx], False)
+                if const_expr(not self.dv_after_ds):
+                    # dV += P^T dO straight from registers, on the tensor cores while dS forms
+                    _wgmma(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
+                           tdVrdOt[None, None, None, do_idx], False)
             else:
                 if const_expr(self.pds_stages == 1):
                     # single P/dS buffer: both warpgroups are done with the previous block's
@@ -587,7 +590,8 @@ class FlashBwdSm90:
                 cute.copy(store_PdS, store_PdS.retile(rP), tPsP[None, None, None, pds_idx])
 
             # dS = P * (dP - delta)
-            warpgroup.wait_group(1 if const_expr(swap) else 0)  # dP done (dV in flight)
+            # dP done (dV in flight)
+            warpgroup.wait_group(1 if const_expr(swap and not self.dv_after_ds) else 0)
             self._dscores(acc_S_rc, acc_dP_rc, by_query, sDelta, sLSE, q_idx, do_idx, inv_scale_log2)
             rdS = _to_dtype(acc_dP, self.dtype)
             if const_expr(swap and self.pds_stages == 1):
@@ -598,6 +602,9 @@ class FlashBwdSm90:
             # dQ = dS K (and dV from smem P) read the columns of both warpgroups
             cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
 
+            if const_expr(swap and self.dv_after_ds):
+                _wgmma(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
+                       tdVrdOt[None, None, None, do_idx], False)
             if const_expr(not swap):
                 _wgmma(mma_dkv, acc_dV, tdVrPt[None, None, None, pds_idx],
                        tdVrdOt[None, None, None, do_idx], False)
