@@ -1,6 +1,6 @@
 """Decode attention (GQA) through the public API beside torch's SDPA.
 
-    python bench/bench_decode.py [--rounds 3] [--seqlen-q 1] [--out DIR]
+    python bench/bench_decode.py [--rounds 3] [--seqlen-q 1] [--shapes 1x512x32x8,...] [--out DIR]
 
 Providers on the same data, q (B, S_q, H_q, D): ``tco.flash_attn_func(q, k, v, causal=True)``
 (dense, the cache exactly as long as the keys); ``tco.flash_attn_with_kvcache`` on a contiguous
@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seqlen-q", type=int, default=1)
     parser.add_argument("--page-size", type=int, default=256)
+    parser.add_argument("--shapes", default="", help="BxKEYSxHQxHKV,... instead of the default grid, "
+                        "e.g. 1x512x32x8 (keys a multiple of the page size)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     import torch_cute_ops as tco
@@ -82,7 +84,8 @@ def main() -> None:
     rows = []
     print(f"{torch.cuda.get_device_name()}: {args.seqlen_q} query token(s), D{args.head_dim}, bf16; "
           f"ms and K/V GB/s")
-    for batch, seqlen_k, h_q, h_kv in SHAPES:
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")] if args.shapes else SHAPES
+    for batch, seqlen_k, h_q, h_kv in shapes:
         d, page = args.head_dim, args.page_size
         q = torch.randn(batch, args.seqlen_q, h_q, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(batch, seqlen_k, h_kv, d, device="cuda", dtype=torch.bfloat16)
@@ -104,6 +107,7 @@ def main() -> None:
             calls["fa4"] = fa4_kvcache(fa4, q, k, v, lengths, split_kv=fa4_splits)
             calls["fa4 paged"] = fa4_kvcache(fa4, q, k_pages, v_pages, lengths, table, split_kv=fa4_splits)
         calls["kvcache graph"] = graphed(calls["kvcache"])
+        calls["tco graph"] = graphed(calls["tco"])
         if fa4 is not None:
             calls["fa4 graph"] = graphed(calls["fa4"])
         calls["torch graph"] = graphed(calls["torch"])

@@ -76,6 +76,23 @@ def test_dq_postprocess_stores_whole_vectors(rows, tmp_path):
     assert "st.shared" in post and "bar.sync" in post
 
 
+def test_preprocess_zeroes_the_dq_accumulator(tmp_path):
+    """The host leaves the fp32 dQ accumulator uninitialized: the preprocess's CTAs zero an even
+    share of it each (16-byte stores, the share from the grid's size), saving a fill launch."""
+    import torch
+
+    from torch_cute_ops.runtime.attention import _bwd_workspaces
+
+    pre = _entry(_ptx(flash_host.bwd_spec("bf16", 128, True), tmp_path), "preprocess")
+    assert "st.global.v4.b32" in pre and "%nctaid.x" in pre and "%nctaid.y" in pre
+    calls = []
+    real_empty = torch.empty
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "zeros", lambda *a, **k: calls.append(a) or real_empty(*a, **k))
+        _bwd_workspaces(2, 4, 256, 200, 128, "cpu")
+    assert not calls
+
+
 def test_family_registered_and_shipped():
     specs = shipped_specs("sm_90a", "flash_bwd_sm90")
     assert specs and all(s.family == "flash_bwd_sm90" for s in specs)

@@ -129,3 +129,36 @@ def test_o_rescale_is_skipped_by_whole_warps(ptx_by_variant):
     warp vote decides, so that the skip is a uniform branch."""
     for variant in VARIANTS:
         assert "vote.sync.any.pred" in ptx_by_variant[variant], variant
+
+
+def test_softcap_kind_picks_the_bounded_softmax_for_bf16_caps_up_to_63():
+    """With one fixed max, exp2(softcap * log2(e) * tanh(u) - shift) spans 2 * softcap * log2(e)
+    octaves, within [2^-120, 2^64] for caps up to 92 / log2(e): the forward then needs no running
+    max. fp16 P would overflow past 2^16, and larger caps could underflow a whole row."""
+    import torch
+
+    kind = flash_host.softcap_kind
+    assert kind(0.0, torch.bfloat16) == "none"
+    assert [kind(c, torch.bfloat16) for c in (1.0, 30.0, 50.0, 63.0)] == ["bounded"] * 4
+    assert kind(64.0, torch.bfloat16) == kind(50.0, torch.float16) == "capped"
+    assert abs(flash_host.BOUNDED_SOFTCAP_MAX * 1.4426950408889634 - 92.0) < 1e-9
+
+
+def test_bounded_softcap_forward_has_no_running_max(tmp_path, monkeypatch):
+    """The bounded-score variant drops the max reduction (max.f32 and its shuffles) and the O
+    rescale that the capped variant keeps."""
+    from torch_cute_ops.kernels import compile_spec
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+
+    def ptx(bounded):
+        dump = tmp_path / str(bounded)
+        compile_spec(flash_host.fwd_spec("bf16", 128, True, softcap=True, bounded_scores=bounded), dump_dir=dump)
+        (path,) = dump.glob("*.ptx")
+        return path.read_text()
+
+    capped, bounded = ptx(False), ptx(True)
+    assert "max.f32" in capped or "max.NaN.f32" in capped
+    assert "max.f32" not in bounded and "max.NaN.f32" not in bounded
+    assert bounded.count("shfl.sync") < capped.count("shfl.sync")
+    assert bounded.count("tanh.approx.f32") == capped.count("tanh.approx.f32") > 0

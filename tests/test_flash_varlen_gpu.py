@@ -70,7 +70,7 @@ def _run(case, dtype=torch.bfloat16):
 
     out = torch.full_like(q, float("nan"))
     lse = torch.full((h_q, q.shape[0]), float("nan"), device="cuda")
-    plan = flash_host.plan_fwd(q, k, v, band_causal, local=local, softcap=softcap != 0.0, rows="packed")
+    plan = flash_host.plan_fwd(q, k, v, band_causal, local=local, softcap=softcap, rows="packed")
     assert not isinstance(plan, str), plan
     plan.packed(q, k, v, cu_q, cu_k, max_q, max_k, out, lse, scale, lo, hi, softcap)
     torch.cuda.synchronize()

@@ -123,6 +123,8 @@ SOFTCAP_CASES = [
     (128, 700, 700, 4, 1, True, 100, 30.0, 10.0),    # Gemma 2's sliding layers: window + softcap
     (256, 300, 300, 2, 2, True, 64, 50.0, 30.0),
     (96, 129, 257, 2, 2, False, None, 5.0, 1.0),
+    # bf16 caps up to BOUNDED_SOFTCAP_MAX (63.8) skip the running max, larger ones keep it
+    (128, 400, 400, 4, 2, True, None, 100.0, 60.0),
 ]
 
 
@@ -151,3 +153,31 @@ def test_softcap_forward_and_backward(case):
                         softcap)
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         _close(name, g, r, 3e-2)
+
+
+@pytest.mark.parametrize("sign", [-1.0, 1.0], ids=["near-minus-cap", "near-plus-cap"])
+@pytest.mark.parametrize("softcap", [30.0, 50.0, 63.0, 100.0])
+def test_softcap_rows_of_saturated_scores(softcap, sign):
+    """Every score of a row capped near -softcap or +softcap (queries pointing away from, or
+    along, all keys), V large: the bounded-score forward (no running max, bf16 caps <= 63.8)
+    takes exp2 of the same extreme value for all of them and must still normalize the row (no
+    underflow to a zero sum, no overflow of O), as the running-max forward does above that cap."""
+    from torch_cute_ops.runtime import attention as flash_host
+
+    assert (flash_host.softcap_kind(softcap, torch.bfloat16) == "bounded") == (softcap <= 63.8)
+    gen = torch.Generator(device="cuda").manual_seed(int(softcap))
+    s_q, s_k, heads, head_dim = 200, 333, 2, 128
+    direction = torch.randn(1, 1, heads, head_dim, device="cuda", generator=gen)
+    k = (direction + 0.05 * torch.randn(1, s_k, heads, head_dim, device="cuda", generator=gen)).bfloat16()
+    q = (sign * 40.0 * direction + torch.randn(1, s_q, heads, head_dim, device="cuda", generator=gen)).bfloat16()
+    v = (1000.0 * torch.randn(1, s_k, heads, head_dim, device="cuda", generator=gen)).bfloat16()
+    scale = head_dim ** -0.5
+    ref_out, ref_lse = ref_fwd(q.float(), k.float(), v.float(), scale, False, None, None, softcap)
+    # the scores really are near -softcap / +softcap
+    assert ((ref_lse - math.log(s_k)) * sign > 0.8 * softcap).all()
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((1, heads, s_q), float("nan"), device="cuda")
+    flash_host.launch_fwd(q, k, v, out, lse, scale, False, softcap=softcap)
+    torch.cuda.synchronize()
+    _close("out", out, ref_out, 2e-2)
+    _close("lse", lse, ref_lse, 1e-3)

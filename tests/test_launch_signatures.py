@@ -105,7 +105,8 @@ def test_forward_launches(launches):
     out, lse = _fwd_outputs(q)
     flash_host.plan_fwd(q, k, v, False)(q, k, v, out, lse, 0.1)
     flash_host.plan_fwd(q, k, v, True)(q, k, v, out, lse, 0.1)
-    flash_host.plan_fwd(q, k, v, False, local=True, softcap=True)(q, k, v, out, lse, 0.1, 64, 0, 30.0)
+    for cap in (30.0, 100.0):  # bf16 below BOUNDED_SOFTCAP_MAX: no running max; above: the capped variant
+        flash_host.plan_fwd(q, k, v, False, local=True, softcap=cap)(q, k, v, out, lse, 0.1, 64, 0, cap)
     key_start, key_end = torch.tensor([0, 7], dtype=torch.int32), torch.tensor([300, 250], dtype=torch.int32)
     flash_host.plan_fwd(q, k, v, True, rows="padded").padded(q, k, v, key_start, key_end, out, lse, 0.1)
     mask = torch.rand(q.shape[0], 1, q.shape[1], k.shape[1]) > 0.3
@@ -114,7 +115,8 @@ def test_forward_launches(launches):
     packed = [t.flatten(0, 1) for t in (q, k, v)]
     flash_host.plan_fwd(*packed, True, rows="packed").packed(
         *packed, cu, cu, 500, 500, torch.empty_like(packed[0]), torch.empty(4, 600), 0.1)
-    assert len(launches) == 6
+    assert len(launches) == 7
+    assert [spec.get("bounded_scores", False) for spec, _ in launches if spec["softcap"]] == [True, False]
     for spec, args in launches:
         _check_agreement(spec, args)
 

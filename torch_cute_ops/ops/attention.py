@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import attention as reference
-from ..runtime.attention import kernel_band, pointer_reason
+from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
 from ..runtime.tma import tma_reason
 from . import checks, dispatch, fallback
 from .schemas import lib, qualname, register_impl
@@ -137,7 +137,7 @@ def _make_fwd_plan(key, q, k, v, causal, local, softcap, key_start, key_end, att
         rows = "dense" if key_start is None else "padded"
         plan = host if isinstance(host, str) else (
             _masked_reason(causal, local, softcap, key_start, attn_mask)
-            or host.plan_fwd(q, k, v, causal, local=local, softcap=softcap != 0.0, rows=rows,
+            or host.plan_fwd(q, k, v, causal, local=local, softcap=softcap, rows=rows,
                              attn_mask=host.mask_kind(attn_mask)))
     return _remember(_fwd_plans, key, plan)
 
@@ -153,7 +153,7 @@ def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window
         _validate_qkv(q, k, v)  # the named error
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
     padded = key_start is not None
-    key = (*_qkv_key(q, k, v), band_causal, local, softcap != 0.0, _optional_key(key_start),
+    key = (*_qkv_key(q, k, v), band_causal, local, softcap_kind(softcap, q.dtype), _optional_key(key_start),
            _optional_key(key_end), _optional_key(attn_mask))
     plan = _fwd_plans.get(key, False)
     if plan is False:

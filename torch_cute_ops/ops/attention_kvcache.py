@@ -21,7 +21,7 @@ import weakref
 import torch
 
 from ..reference import attention as reference
-from ..runtime.attention import kernel_band, pointer_reason
+from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
 from . import checks, dispatch, fallback
 from .attention import _remember, _validate_softcap, validate_qkv_common
 from .schemas import lib, qualname, register_impl
@@ -153,7 +153,7 @@ def _make_plan(key, q, k_cache, v_cache, page_table, causal, local, softcap):
             config = host.kvcache_config(q.shape[-1], None if page_table is None else k_cache.shape[1])
             rows_view = k_cache.reshape(1, -1, *k_cache.shape[2:])
             plan = config if isinstance(config, str) else host.plan_fwd(
-                q, rows_view, rows_view, causal, config, local=local, softcap=softcap != 0.0, rows="kvcache",
+                q, rows_view, rows_view, causal, config, local=local, softcap=softcap, rows="kvcache",
                 keys_per_entry=_capacity(k_cache, page_table))
     return _remember(_plans, key, plan)
 
@@ -164,7 +164,7 @@ def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], capacity)
     key = tuple((t.shape, t.stride(), t.dtype, t.device) if t is not None else None
                 for t in (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table))
-    key += (band_causal, local, softcap != 0.0)
+    key += (band_causal, local, softcap_kind(softcap, q.dtype))
     plan = _plans.get(key, False)
     if plan is False:
         _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)

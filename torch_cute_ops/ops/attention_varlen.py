@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from ..reference import attention as reference
-from ..runtime.attention import kernel_band, pointer_reason
+from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
 from ..runtime.tma import tma_reason
 from . import checks, dispatch, fallback
 from .attention import _remember, _validate_softcap, empty_grads, validate_qkv_common
@@ -104,7 +104,7 @@ def _make_fwd_plan(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_varlen_fwd", q.device)
         plan = host if isinstance(host, str) else host.plan_fwd(
-            q, k, v, causal, local=local, softcap=softcap != 0.0, rows="packed")
+            q, k, v, causal, local=local, softcap=softcap, rows="packed")
     return _remember(_fwd_plans, key, plan)
 
 
@@ -114,7 +114,7 @@ def flash_attn_varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     if q.dim() != 3 or k.dim() != 3 or min(max_seqlen_q, max_seqlen_k) < 0:
         _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)  # the named error
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, max_seqlen_q, max_seqlen_k)
-    key = (*_layout_key(q, k, v, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap != 0.0)
+    key = (*_layout_key(q, k, v, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap_kind(softcap, q.dtype))
     plan = _fwd_plans.get(key, False)
     if plan is False:
         plan = _make_fwd_plan(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, band_causal,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -112,15 +113,32 @@ def kernel_band(causal: bool, window_left, window_right, seqlen_q: int, seqlen_k
 def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
              arch: str = "sm_90a", local: bool = False, softcap: bool = False,
              rows: str = "dense", attn_mask: str = "none", split_kv: bool = False,
-             rows_per_query: int = 1) -> KernelSpec:
+             rows_per_query: int = 1, bounded_scores: bool = False) -> KernelSpec:
     """``rows_per_query`` > 1: each query token is that many consecutive rows (pack-GQA with
-    several tokens), which the causal band counts as one."""
+    several tokens), which the causal band counts as one. ``bounded_scores``: capped scores
+    whose softmax needs no running max (:func:`softcap_kind`)."""
     config = config or config_for(head_dim, causal, ragged=rows != "dense" or attn_mask != "none")
     # the config is in the key: a new config recompiles
     extra = {"rows_per_query": rows_per_query} if rows_per_query > 1 else {}
+    if bounded_scores:
+        extra["bounded_scores"] = True
     return KernelSpec.make(FWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
                            softcap=softcap, rows=rows, attn_mask=attn_mask, split_kv=split_kv,
                            config=dataclasses.astuple(config), **extra)
+
+
+# Soft-capped scores lie in (-softcap, softcap). Up to this cap one fixed max keeps their
+# exponentials within [2^-120, 2^64] (kernels.common.flash_common.OnlineSoftmax): fp32 sums and
+# bf16 P hold them without a running max, and the forward skips the max altogether
+# (bench/NOTES.md, session 12). fp16 P tops out at 2^16.
+BOUNDED_SOFTCAP_MAX = 92.0 * math.log(2.0)  # 63.8: softcap * log2(e) <= 92
+
+
+def softcap_kind(softcap: float, dtype: torch.dtype) -> str:
+    """"none", "bounded" (the forward's softmax without a running max) or "capped"."""
+    if not softcap:
+        return "none"
+    return "bounded" if dtype == torch.bfloat16 and softcap <= BOUNDED_SOFTCAP_MAX else "capped"
 
 
 # --------------------------------------------------------------------------- backward tiles
@@ -166,7 +184,8 @@ def shipped(arch: str) -> list[KernelSpec]:
     fwd = [fwd_spec("bf16", h, c) for h in (64, 128, 256) for c in (False, True)]
     fwd.append(fwd_spec("bf16", 64, True, config_for(64, True, short=True)))
     fwd += [fwd_spec("bf16", h, False, local=True) for h in (64, 128, 256)]  # sliding windows
-    fwd += [fwd_spec("bf16", 256, c, local=not c, softcap=True) for c in (False, True)]  # Gemma 2's layers
+    # Gemma 2's layers (cap 50: bounded scores)
+    fwd += [fwd_spec("bf16", 256, c, local=not c, softcap=True, bounded_scores=True) for c in (False, True)]
     # padded batches (transformers), decode from a KV cache and long-cache decode (split-KV)
     fwd.append(fwd_spec("bf16", 128, True, rows="padded"))
     fwd += [fwd_spec("bf16", 128, False, rows="kvcache", split_kv=split) for split in (False, True)]
@@ -313,14 +332,19 @@ def _split_placeholders(device_index: int, head_dim: int) -> tuple:
             torch.zeros((1, 1, 1), dtype=torch.float32, device=device), 1)
 
 
+# split-KV: the fewest key blocks one split streams (the partial O write and the combine stay
+# small beside its K/V reads)
+MIN_BLOCKS_PER_SPLIT = 4
+
+
 def num_splits_for(tiles: int, key_blocks: int, sms: int) -> int:
     """Split-KV (flash-decoding): how many CTAs share one tile's keys, when the tiles fill at most
     a quarter of the GPU (H100, B8 x 4k decode, 64 tiles: 2 splits 4% slower than none, 3 splits
-    14%). The (tile, split) pairs fit one wave, and each split keeps >= 4 key blocks, so the
-    partial O write and the combine stay small beside the K/V reads; at most 32."""
-    if 4 * tiles > sms or key_blocks < 8:
+    14%). The (tile, split) pairs fit one wave, and each split keeps >= MIN_BLOCKS_PER_SPLIT key
+    blocks; at most 32."""
+    if 4 * tiles > sms or key_blocks < 2 * MIN_BLOCKS_PER_SPLIT:
         return 1
-    return max(1, min(sms // tiles, key_blocks // 4, 32))
+    return max(1, min(sms // tiles, key_blocks // MIN_BLOCKS_PER_SPLIT, 32))
 
 
 @functools.cache
@@ -546,7 +570,7 @@ def _bwd_mask_summary(attn_mask, seqlen_q: int, seqlen_k: int, tiles: tuple[int,
 
 
 def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
-             max_ctas: int | None = None, local: bool = False, softcap: bool = False,
+             max_ctas: int | None = None, local: bool = False, softcap: float = 0.0,
              rows: str = "dense", attn_mask: str = "none", keys_per_entry: int | None = None
              ) -> FlashFwdLaunch | str | None:
     """The forward launch for this layout and band kind (:func:`kernel_band`), the reason no
@@ -555,7 +579,8 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     (varlen q, k, v (total, H, D), called through :meth:`FlashFwdLaunch.packed`) or "padded"
     (called through :meth:`FlashFwdLaunch.padded`). ``attn_mask``: "none", "bool" or "add"
     (called through :meth:`FlashFwdLaunch.masked`). ``keys_per_entry``: a kvcache entry's
-    capacity (its keys are not k's extent). Tiles too few to fill the GPU split their keys
+    capacity (its keys are not k's extent). ``softcap``: the cap (0: none), which picks the
+    variant (:func:`softcap_kind`). Tiles too few to fill the GPU split their keys
     (:func:`num_splits_for`)."""
     packed = rows == "packed"
     if packed:
@@ -587,8 +612,10 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
         tile_rows, tile_heads = (group * q.shape[1], k.shape[2]) if group else (q.shape[1], q.shape[2])
         tiles = -(-tile_rows // config.tile_m) * tile_heads * q.shape[0]
         splits = num_splits_for(tiles, -(-(keys_per_entry or k.shape[1]) // config.tile_n), grid)
-    spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=softcap, rows=rows,
-                    attn_mask=attn_mask, split_kv=splits > 1, rows_per_query=rows_per_query)
+    capped = softcap_kind(softcap, q.dtype)
+    spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=capped != "none",
+                    rows=rows, attn_mask=attn_mask, split_kv=splits > 1, rows_per_query=rows_per_query,
+                    bounded_scores=capped == "bounded")
     return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid, group, (config.tile_m, config.tile_n),
                           splits)
 
@@ -596,12 +623,13 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
 def _bwd_workspaces(batch: int, heads: int, stat_rows: int, accum_rows: int, head_dim: int, tile_m: int,
                     device) -> tuple:
     """The backward's fp32 workspaces: delta and lse * log2(e) (batch, heads, stat_rows), padded to
-    whole query blocks, and the zeroed dQ accumulator (batch, heads, query blocks of tile_m rows
-    covering accum_rows, warpgroup, its tile in accumulator order: see kernels/sm90/flash_bwd.py)."""
+    whole query blocks, and the dQ accumulator (batch, heads, query blocks of tile_m rows covering
+    accum_rows, warpgroup, its tile in accumulator order: see kernels/sm90/flash_bwd.py), which the
+    kernel's preprocess zeroes."""
     delta = torch.empty((batch, heads, stat_rows), dtype=torch.float32, device=device)
     lse_log2 = torch.empty((batch, heads, stat_rows), dtype=torch.float32, device=device)
     blocks = -(-accum_rows // tile_m)
-    dq_accum = torch.zeros((batch, heads, blocks, 2, tile_m * head_dim // 2), dtype=torch.float32,
+    dq_accum = torch.empty((batch, heads, blocks, 2, tile_m * head_dim // 2), dtype=torch.float32,
                            device=device)
     return delta, lse_log2, dq_accum
 
@@ -724,7 +752,7 @@ def launch_fwd(q, k, v, out, lse, softmax_scale: float, causal: bool, config: Fw
                max_ctas: int | None = None, window_left=None, window_right=None, softcap: float = 0.0) -> None:
     """Uncached forward launch (tests, benchmarks); the window as the op takes it."""
     causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
-    plan = plan_fwd(q, k, v, causal, config, max_ctas, local, softcap != 0.0)
+    plan = plan_fwd(q, k, v, causal, config, max_ctas, local, float(softcap))
     if isinstance(plan, str):
         raise ValueError(plan)
     if plan is not None:

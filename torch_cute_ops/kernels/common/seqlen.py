@@ -43,6 +43,11 @@ from .flash_common import DslState
 ROW_LAYOUTS = ("dense", "packed", "padded", "kvcache")
 
 
+def seq_major(m: cute.Tensor) -> cute.Tensor:
+    """The (S, D, H, B) view of a (B, S, H, D) tensor, as these helpers take q-like tensors."""
+    return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 2, 0]))
+
+
 class SeqBounds(DslState):
     """Rows of batch entry ``batch``: ``offset_q``/``seqlen_q`` of the queries, ``offset_k``/
     ``seqlen_k`` of the keys, ``padded_offset_q`` of its statistics in the backward's padded

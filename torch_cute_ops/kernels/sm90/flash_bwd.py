@@ -40,7 +40,7 @@ causal mask a key block reaches each query block after the higher blocks (which 
 diagonal, later in the sequence) have added theirs: in key order, the first key block would
 hold every other one back by its whole loop.
 Extra memory: delta and lse * log2(e) (2 x B*H*S_q fp32, padded) and the dQ accumulator
-(B*S_q*H*D fp32, S_q padded to whole query blocks; zeroed by the host).
+(B*S_q*H*D fp32, S_q padded to whole query blocks; zeroed by the preprocess).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from ..common.flash_common import (
     mask_scores, query_block_range, tiled_wgmma, transposed_view,
 )
 from ..common.mask_args import mask_fakes
-from ..common.seqlen import SeqBounds, store_rows
+from ..common.seqlen import SeqBounds, seq_major, store_rows
 from .flash_bwd_rows import FlashBwdRowKernels, accumulator_order
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -203,7 +203,7 @@ class FlashBwdSm90:
             padded_q = cute.ceil_div(max_seqlen_q, _STAT_PAD) * _STAT_PAD
         heads, keys_extent = cute.size(mQ.shape[2]), mK.shape[1]
         rows = self.row_kernels
-        rows.preprocess(mO, mdO, mLSE, mDelta, mLSElog2, mSeqInfoQ, mSeqInfoK, keys_extent).launch(
+        rows.preprocess(mO, mdO, mLSE, mDelta, mLSElog2, mdQacc, mSeqInfoQ, mSeqInfoK, keys_extent).launch(
             grid=(cute.ceil_div(padded_q * heads, rows.rows_per_cta), batch, 1),
             block=[rows.row_threads, 1, 1], stream=stream)
         self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, (mDqOrder, mDqTurns), mSeqInfoQ,
@@ -219,11 +219,7 @@ class FlashBwdSm90:
     def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, dq_order, mSeqInfoQ, mSeqInfoK,
                      mask_args, batch, seqlen_k, softmax_scale, window_left, window_right, softcap, stream):
         # (B, S, H, D) -> (S, D, H, B): TMA tiles over (S, D); (B, H, S) -> (S, H, B)
-        seq_major = [1, 3, 2, 0]
-        mQ, mK, mV, mdO, mdK, mdV = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=seq_major))
-            for t in (mQ, mK, mV, mdO, mdK, mdV)
-        ]
+        mQ, mK, mV, mdO, mdK, mdV = [seq_major(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         mLSElog2, mDelta = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                             for t in (mLSElog2, mDelta)]
         mma_sdp, mma_dkv, mma_dq = self._make_mmas()
@@ -551,9 +547,8 @@ class FlashBwdSm90:
         # waited for inside its iteration: a WGMMA left in flight across the loop's back edge
         # (issuing the next S early) makes ptxas serialize all of them (C7515), -20% at 16k.
         num_m = m_block_max - m_block_min
-        for block in cutlass.range(group * num_m, unroll=1):
-            head = kv_head * group + block // num_m
-            m_block = m_block_min + block % num_m
+        head, m_block = kv_head * group, m_block_min
+        for _ in cutlass.range(group * num_m, unroll=1):
             q_idx, do_idx = state_q.index, state_do.index
             pds_idx = q_idx if const_expr(self.pds_stages == self.num_stages) else 0
             # S = Q K^T, then dP = dO V^T
@@ -629,6 +624,7 @@ class FlashBwdSm90:
             warpgroup.wait_group(0)
             pipe_q.consumer_release(state_q)
             state_q.advance()
+            head, m_block = _next_query_block(head, m_block, m_block_min, m_block_max)
 
         self._store_dkv(acc_dK, acc_dV, softmax_scale, mma_dkv, sK, sV, tma_dK, tma_dV,
                         mdK, mdV, mdK_rows, mdV_rows, tidx, n_block, kv_head, batch, bounds)
@@ -694,9 +690,8 @@ class FlashBwdSm90:
         if num_blocks > 0:  # (no arrival left pending at exit)
             cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
                                      number_of_threads=_DQ_BAR_THREADS)
+        head, m_block = kv_head * group, m_block_min
         for block in cutlass.range(num_blocks, unroll=1):
-            head = kv_head * group + block // num_m
-            m_block = m_block_min + block % num_m
             row0, entry = bounds.padded_index(m_block * self.tile_m, batch)
             tile_idx = (entry, head, row0 // self.tile_m, wg)
             dst = mdQacc[(*tile_idx, None)].iterator.toint()
@@ -723,6 +718,7 @@ class FlashBwdSm90:
             if block + 1 < num_blocks:
                 cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
                                          number_of_threads=_DQ_BAR_THREADS)
+            head, m_block = _next_query_block(head, m_block, m_block_min, m_block_max)
         if cute.arch.lane_idx() == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -775,6 +771,15 @@ class FlashBwdSm90:
                 cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def _next_query_block(head: Int32, m_block: Int32, m_block_min: Int32, m_block_max: Int32) -> tuple:
+    """The (query head, query block) after this one in a key block's walk over its GQA group:
+    blocks [m_block_min, m_block_max) of each head in turn. Stepped, not divided out of a flat
+    index: a runtime integer division costs ~20 instructions per iteration."""
+    wrap = m_block + 1 == m_block_max
+    return head + cutlass.select_(wrap, 1, 0), cutlass.select_(wrap, m_block_min, m_block + 1)
 
 
 # -------------------------------------------------------------------- family / host API

@@ -3,6 +3,7 @@
 * ``preprocess``: per (b, s, h) row, ``delta = rowsum(dO * O)`` and ``lse * log2(e)`` in fp32,
   written to (B, H, S_q) copies padded to whole query blocks (so that the main kernel's TMA
   loads them whole); padding rows, and rows that attend to nothing, get lse = +inf (P = 0).
+  Its CTAs also zero the fp32 dQ accumulator, an even contiguous share each (no fill launch).
 * ``postprocess``: the fp32 dQ accumulator, which the main kernel's writer warps fill with bulk
   reduce-adds in accumulator order (:func:`accumulator_order`), put back at the (row, col) the
   dQ GEMM's C partition gives each value, times the softmax scale, in the input dtype.
@@ -18,7 +19,7 @@ from cutlass import Float32, Int32, const_expr
 
 from ...runtime.attention import STAT_PAD as _STAT_PAD
 from ..common.flash_common import LOG2_E
-from ..common.seqlen import SeqBounds, store_rows
+from ..common.seqlen import SeqBounds, seq_major, store_rows
 
 # the postprocess's smem dQ tile: its rows padded by 16 bytes (8 half-precision values)
 _DQ_ROW_PAD = 8
@@ -58,9 +59,28 @@ class FlashBwdRowKernels:
         row = cute.arch.block_idx()[0] * self.rows_per_cta + tidx // self.threads_per_row
         return cute.arch.block_idx()[1], row // num_h, row % num_h, tidx % self.threads_per_row
 
+    @cute.jit
+    def _zero_share(self, mdQacc: cute.Tensor):
+        """This CTA's contiguous share of the (compact) fp32 dQ accumulator, zeroed in 16-byte
+        stores: the grid's CTAs split it evenly whatever its layout, so the main kernel's adds
+        need no separate fill launch before them."""
+        flat = cute.make_tensor(mdQacc.iterator, cute.make_layout(cute.size(mdQacc)))
+        grid_x, grid_y, _ = cute.arch.grid_dim()
+        block_x, block_y, _ = cute.arch.block_idx()
+        vectors = cute.size(mdQacc) // 4  # tiles of tile_m * head_dim / 2 values: whole vectors
+        share = cute.ceil_div(vectors, grid_x * grid_y)
+        first = (block_y * grid_x + block_x) * share
+        last = cutlass.min(first + share, vectors)
+        zeros = cute.make_rmem_tensor((4,), Float32)
+        zeros.fill(0.0)
+        for v in cutlass.range(first + cute.arch.thread_idx()[0], last, self.row_threads, unroll=1):
+            cute.local_tile(flat, (4,), (v,)).store(zeros.load())
+
     @cute.kernel
     def preprocess(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
-                   mLSElog2: cute.Tensor, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor, keys_extent: Int32):
+                   mLSElog2: cute.Tensor, mdQacc: cute.Tensor, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
+                   keys_extent: Int32):
+        self._zero_share(mdQacc)
         b, s, h, lane = self._row_coords(mO.shape[2])
         bounds = SeqBounds(b, mO.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
         padded_q = mDelta.shape[2]
@@ -118,7 +138,6 @@ class FlashBwdRowKernels:
                 tCrdQ[i] = (acc[i % 4, i // 4] * softmax_scale).to(self.dtype)
             cute.autovec_copy(tCrdQ, tCsdQ)
             cute.arch.sync_threads()
-            # (B, S, H, D) -> (S, D, H, B), the entry's rows of this block
-            mdQ_rows = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[1, 3, 2, 0]))
-            gdQ = cute.local_tile(bounds.q_rows(mdQ_rows, h, b), (self.tile_m, self.head_dim), (m_block, 0))
+            # the entry's rows of this block
+            gdQ = cute.local_tile(bounds.q_rows(seq_major(mdQ), h, b), (self.tile_m, self.head_dim), (m_block, 0))
             store_rows(sdQ, gdQ, bounds.seqlen_q - m_block * self.tile_m, tidx, self.post_threads)

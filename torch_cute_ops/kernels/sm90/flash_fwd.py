@@ -144,13 +144,17 @@ def _scores_to_p(tOrP, acc_s):
 class FlashFwdSm90:
     def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig, local: bool = False,
                  softcap: bool = False, rows: str = "dense", attn_mask: str = "none", split_kv: bool = False,
-                 rows_per_query: int = 1):
+                 rows_per_query: int = 1, bounded_scores: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
         # a (left, right) window, both bounds runtime values (causal is the fixed right = 0)
         self.local = local
         self.softcap = softcap  # scores soft-capped before the mask (runtime cap value)
+        # capped scores with a cap whose exponentials fit without a running max (the host's
+        # runtime.attention.softcap_kind): the softmax's max is 0 for good, O is never rescaled
+        self.bounded_scores = bounded_scores
+        assert not bounded_scores or softcap, "only capped scores are bounded"
         # where each batch entry's rows are: dense, packed (varlen) or padded (common.seqlen)
         self.rows = rows
         self.ragged = rows in ("packed", "padded")  # entries with their own query rows: tiles may be empty
@@ -541,7 +545,8 @@ class FlashFwdSm90:
         tScS = acc_as_rows_cols(thr_qk.partition_C(cS))
         t0ScS = acc_as_rows_cols(tiled_mma_qk.get_slice(0).partition_C(cS))
 
-        softmax = OnlineSoftmax(scale_log2, cute.size(tScS, mode=[0]), self.rescale_threshold)
+        softmax = OnlineSoftmax(scale_log2, cute.size(tScS, mode=[0]), self.rescale_threshold,
+                                fixed_max=self.bounded_scores)
         o_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
 
         # the DSL's loops take no closures: bind the fragments with partial
@@ -641,7 +646,7 @@ class FlashFwdSm90:
                         pipe_q.consumer_release(q_state)
                     # the last P V
                     if const_expr(self.rescale_before_pv):
-                        scale_rows(acc_o, o_scale)
+                        scale_rows(acc_o, o_scale, not self.bounded_scores)
                     pipe_v.consumer_wait(kv_state)
                     pv_gemm(kv_state.index, 0)
                     pipe_v.consumer_release(kv_state)
@@ -677,7 +682,8 @@ class FlashFwdSm90:
         self.sched_wait(wg)
         acc_s = qk_gemm(kv_state.index, -1)
         if const_expr(self.rescale_before_pv):
-            scale_rows(acc_o, o_scale)  # the previous block's max correction, under S's GEMM
+            # the previous block's max correction, under S's GEMM
+            scale_rows(acc_o, o_scale, not self.bounded_scores)
         pipe_v.consumer_wait(v_state)
         pv_gemm(v_state.index, -1)
         self.sched_pass(wg)
@@ -690,10 +696,11 @@ class FlashFwdSm90:
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         to_p(acc_s)  # P(n+1) is consumed: overwrite it
-        if const_expr(self.rescale_before_pv):
-            o_scale.store(row_scale.load())
-        else:
-            scale_rows(acc_o, row_scale, grew)
+        if const_expr(not self.bounded_scores):  # bounded scores: O is never rescaled
+            if const_expr(self.rescale_before_pv):
+                o_scale.store(row_scale.load())
+            else:
+                scale_rows(acc_o, row_scale, grew)
         return kv_state
 
     def sched_wait(self, wg):
@@ -755,7 +762,8 @@ def build(spec: KernelSpec):
     dtype = _CUTE_DTYPE[spec["dtype"]]
     head_dim, causal = spec["head_dim"], spec["causal"]
     kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]), spec["local"], spec["softcap"],
-                          spec["rows"], spec["attn_mask"], spec["split_kv"], spec.get("rows_per_query", 1))
+                          spec["rows"], spec["attn_mask"], spec["split_kv"], spec.get("rows_per_query", 1),
+                          spec.get("bounded_scores", False))
 
     def bhsd(elem):
         # (B, S, H, D), any strides but the last; 16-byte aligned rows for TMA
