@@ -585,7 +585,7 @@ class FlashBwdSm90:
                 cute.copy(store_PdS, store_PdS.retile(rP), tPsP[None, None, None, pds_idx])
 
             # dS = P * (dP - delta)
-            # dP done (dV in flight)
+            # dP done (dV still in flight where it overlaps dS)
             warpgroup.wait_group(1 if const_expr(swap and not self.dv_after_ds) else 0)
             self._dscores(acc_S_rc, acc_dP_rc, by_query, sDelta, sLSE, q_idx, do_idx, inv_scale_log2)
             rdS = _to_dtype(acc_dP, self.dtype)
