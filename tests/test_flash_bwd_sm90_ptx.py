@@ -34,10 +34,13 @@ def test_ptx_is_warp_specialized_wgmma_with_tma(spec_args, tmp_path):
     assert ".target sm_90a" in ptx
     tile_m, tile_n, _ = flash_host.BWD_TILES[head_dim]
     # per query block, per 64-row WGMMA atom of a warpgroup: S and dP (head_dim / 16 k-steps;
-    # transposed, one 64-key atom), dQ (tile_n / 16), dV and dK (tile_m / 16, one 64-key atom)
-    sdp_atoms = 1 if tile_n == 128 else tile_m // 64
+    # transposed (128-key blocks), one 64-key atom; else tile_m / 64 query atoms), dQ
+    # (tile_n / 16), dV and dK (tile_m / 16; transposed one 64-key atom, else tile_n / 64)
+    swap = tile_n == 128
+    sdp_atoms = 1 if swap else tile_m // 64
+    dkv_atoms = 1 if swap else tile_n // 64
     expected_wgmma = (2 * sdp_atoms * head_dim // 16 + (tile_m // 64) * tile_n // 16
-                      + 2 * tile_m // 16)
+                      + 2 * dkv_atoms * tile_m // 16)
     assert ptx.count("wgmma.mma_async") == expected_wgmma
     assert "cp.async.bulk.tensor" in ptx  # TMA loads/stores
     # dQ: each warpgroup's tile stored in accumulator order (16-byte vectors) and added with one
@@ -50,7 +53,7 @@ def test_ptx_is_warp_specialized_wgmma_with_tma(spec_args, tmp_path):
         ptx_path = next(tmp_path.rglob("*.ptx"))
         report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx_path), "-o", os.devnull],
                                 capture_output=True, text=True, check=True).stderr
-        assert "C7515" not in report, "ptxas serialized the WGMMAs"
+        assert "C7515" not in report and "C7512" not in report, "ptxas serialized the WGMMAs"
         assert " 0 bytes spill stores" in report.split("_main_kernel")[-1]
 
 
@@ -86,7 +89,7 @@ def test_preprocess_zeroes_the_dq_accumulator(tmp_path):
     real_empty = torch.empty
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "zeros", lambda *a, **k: calls.append(a) or real_empty(*a, **k))
-        _bwd_workspaces(2, 4, 256, 200, 128, "cpu")
+        _bwd_workspaces(2, 4, 256, 200, 128, 64, "cpu")
     assert not calls
 
 

@@ -146,16 +146,17 @@ def softcap_kind(softcap: float, dtype: torch.dtype) -> str:
 # head_dim -> (tile_m, tile_n, num_stages). The two MMA warpgroups keep dK and dV for
 # the whole key block in registers (tile_n * head_dim * 2 / 256 fp32 per thread), and smem
 # holds K, V, num_stages x (Q, dO, dS, and P when it is not kept in registers) and the
-# fp32 dQ tile (<= 227 KB). At head dim 64, 128-row query tiles spill (measured slower).
+# fp32 dQ tile (<= 227 KB). At head dim 64 the query tiles have 128 rows, as FlashAttention's
+# Hopper backward has them (half the K/V-side work per query), with P^T in registers and two dS
+# stages; dV's WGMMA then waits for dS (kernels/sm90/flash_bwd.py: the registers are full).
 BWD_TILES = {
-    64: (64, 128, 2),
+    64: (128, 128, 2),
     96: (64, 128, 2),
     128: (64, 128, 2),
     192: (64, 64, 2),
     256: (64, 64, 1),
 }
 STAT_PAD = 128  # lse and delta rows are padded to whole query blocks for their TMA loads
-DQ_BLOCK_ROWS = 64  # the backward's query tile (every head dim): the dQ accumulator's blocks
 
 
 # Head dims whose backward adds dQ in key-block order even when not asked to: at D256 the ordered
@@ -619,15 +620,16 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
                           splits)
 
 
-def _bwd_workspaces(batch: int, heads: int, stat_rows: int, accum_rows: int, head_dim: int, device) -> tuple:
+def _bwd_workspaces(batch: int, heads: int, stat_rows: int, accum_rows: int, head_dim: int, tile_m: int,
+                    device) -> tuple:
     """The backward's fp32 workspaces: delta and lse * log2(e) (batch, heads, stat_rows), padded to
-    whole query blocks, and the dQ accumulator (batch, heads, query blocks of accum_rows,
-    warpgroup, its tile in accumulator order: see kernels/sm90/flash_bwd.py), which the kernel's
-    preprocess zeroes."""
+    whole query blocks, and the dQ accumulator (batch, heads, query blocks of tile_m rows covering
+    accum_rows, warpgroup, its tile in accumulator order: see kernels/sm90/flash_bwd.py), which the
+    kernel's preprocess zeroes."""
     delta = torch.empty((batch, heads, stat_rows), dtype=torch.float32, device=device)
     lse_log2 = torch.empty((batch, heads, stat_rows), dtype=torch.float32, device=device)
-    blocks = -(-accum_rows // DQ_BLOCK_ROWS)
-    dq_accum = torch.empty((batch, heads, blocks, 2, DQ_BLOCK_ROWS * head_dim // 2), dtype=torch.float32,
+    blocks = -(-accum_rows // tile_m)
+    dq_accum = torch.empty((batch, heads, blocks, 2, tile_m * head_dim // 2), dtype=torch.float32,
                            device=device)
     return delta, lse_log2, dq_accum
 
@@ -635,12 +637,13 @@ def _bwd_workspaces(batch: int, heads: int, stat_rows: int, accum_rows: int, hea
 class FlashBwdLaunch:
     """The backward of one input layout: writes dq, dk, dv (preallocated, contiguous)."""
 
-    __slots__ = ("fn", "device_index", "deterministic", "unused", "unused_order")
+    __slots__ = ("fn", "device_index", "deterministic", "unused", "unused_order", "tile_m")
 
     def __init__(self, spec: KernelSpec, device_index: int):
         self.fn = get_compiled(spec)
         self.device_index = device_index
         self.deterministic = spec.get("deterministic", False)
+        self.tile_m = spec["tile"][0]  # the dQ accumulator's blocks are the query tiles
         self.unused = _unused_counter(device_index)  # the int32 tensors a variant never reads
         # the default variants' placeholder for the add counts: the compiled signature is 4-D
         self.unused_order = self.unused.view(1, 1, 1, 1)
@@ -659,7 +662,7 @@ class FlashBwdLaunch:
                  window_right: int = 0, softcap: float = 0.0) -> None:
         batch, seqlen_q, heads, head_dim = q.shape
         delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
-                                                    head_dim, q.device)
+                                                    head_dim, self.tile_m, q.device)
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum),
                 self.unused, self.unused, 0, 0,
                 *_mask_placeholders(self.device_index),
@@ -674,7 +677,7 @@ class FlashBwdLaunch:
         blocks, ranges = mask_summary(attn_mask, ("bwd", seqlen_q, seqlen_k, tiles, kv_heads),
                                       lambda: _bwd_mask_summary(attn_mask, seqlen_q, seqlen_k, tiles, kv_heads))
         delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
-                                                    head_dim, q.device)
+                                                    head_dim, self.tile_m, q.device)
         m_blocks, n_blocks = blocks.shape[-2:]
         turns = None
         if self.deterministic:
@@ -693,7 +696,7 @@ class FlashBwdLaunch:
         gradients. Each entry's statistics start at its first real query, in its own slot."""
         batch, seqlen_q, heads, head_dim = q.shape
         delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
-                                                    head_dim, q.device)
+                                                    head_dim, self.tile_m, q.device)
         for grad in (dq, dk, dv):
             grad.zero_()
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum),
@@ -709,7 +712,7 @@ class FlashBwdLaunch:
         total_q, heads, head_dim = q.shape
         batch = cu_seqlens_q.shape[0] - 1
         padded = -(-(total_q + batch * STAT_PAD) // STAT_PAD) * STAT_PAD
-        delta, lse_log2, dq_accum = _bwd_workspaces(1, heads, padded, padded, head_dim, q.device)
+        delta, lse_log2, dq_accum = _bwd_workspaces(1, heads, padded, padded, head_dim, self.tile_m, q.device)
         self.fn(dout[None], q[None], k[None], v[None], out[None], lse[None], dq[None], dk[None], dv[None],
                 delta, lse_log2, dq_accum, *self._dq_order(dq_accum), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k,

@@ -54,7 +54,6 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from ...runtime.attention import DQ_BLOCK_ROWS as _DQ_BLOCK_ROWS
 from ...runtime.attention import STAT_PAD as _STAT_PAD
 from ...runtime.spec import KernelSpec
 from ..common.bulk import bulk_reduce_add_f32, nanosleep
@@ -70,6 +69,7 @@ _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
 
 _NUM_MMA_THREADS = 256  # two consumer warpgroups
+_SMEM_BYTES = 227 * 1024  # shared memory a CTA may opt into on sm_90
 # per-query statistics are padded to a multiple of every tile_m (and of 16 bytes for TMA)
 _PRODUCER_REGS = 24
 _MMA_REGS = 240
@@ -138,7 +138,6 @@ class FlashBwdSm90:
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.dq_cols = head_dim // 2  # each MMA warpgroup owns half of the dQ columns
-        assert tile_m == _DQ_BLOCK_ROWS, "the dQ accumulator's blocks are the query tiles"
         self.dq_chunk = tile_m * self.dq_cols  # one warpgroup's dQ tile, fp32
         self.row_kernels = FlashBwdRowKernels(dtype, head_dim, tile_m, rows)  # pre/postprocess
         # With two 64-key halves per block, S and dP are computed transposed (S^T = K Q^T,
@@ -146,8 +145,22 @@ class FlashBwdSm90:
         # registers, exactly the A operands of dV += P^T dO and dK += dS^T Q, and only dS
         # goes through smem (for dQ). Narrower key blocks split S by keys along N instead.
         self.swap_sdp = tile_n == 128
+        # 128 query rows: S^T, dP^T (64 fp32 each), P^T (32) and dK, dV (64) fill the 240
+        # registers, so dV's WGMMA waits until dS is formed instead of overlapping it (its
+        # register operand in flight made ptxas serialize the WGMMAs)
+        self.dv_after_ds = self.swap_sdp and tile_m == 128
         # dK, dV tile (tile_n, head_dim) split over the two MMA warpgroups
         self.dkv_atoms = (2, 1) if self.swap_sdp else (1, 2)
+        self.pds_stages = self._pds_stages()
+
+    def _pds_stages(self) -> int:
+        """P and dS buffers (one per Q stage where shared memory holds them, else one, which a
+        barrier then guards): K, V, the Q and dO stages and the fp32 dQ tiles come first."""
+        elem = self.dtype.width // 8
+        fixed = (elem * (2 * self.num_stages * self.tile_m * self.head_dim + 2 * self.tile_n * self.head_dim)
+                 + 4 * self.tile_m * self.head_dim + 2 * 4 * self.tile_m * self.num_stages)
+        per_stage = elem * self.tile_m * self.tile_n * (1 if self.swap_sdp else 2)
+        return self.num_stages if fixed + self.num_stages * per_stage <= _SMEM_BYTES else 1
 
     # ---------------------------------------------------------------- host side
     def _make_mmas(self):
@@ -220,12 +233,12 @@ class FlashBwdSm90:
         # block i+1's never waits for the other warpgroup's block-i GEMMs (with one stage a
         # barrier orders them). Transposed, only dS is stored: the A of dQ, MN-major.
         if const_expr(self.swap_sdp):
-            sdS_layout = _smem_layout(self.dtype, self.tile_n, self.tile_m, self.num_stages,
+            sdS_layout = _smem_layout(self.dtype, self.tile_n, self.tile_m, self.pds_stages,
                                       self.tile_m)
             sP_layout = sdS_layout  # never allocated: P stays in registers
         else:
             pds_slice = self.tile_n // self.dkv_atoms[0]
-            sP_layout = _smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages,
+            sP_layout = _smem_layout(self.dtype, self.tile_m, self.tile_n, self.pds_stages,
                                      pds_slice)
             sdS_layout = sP_layout
         # lse * log2(e) with Q, delta with dO: one query block per stage
@@ -537,6 +550,7 @@ class FlashBwdSm90:
         head, m_block = kv_head * group, m_block_min
         for _ in cutlass.range(group * num_m, unroll=1):
             q_idx, do_idx = state_q.index, state_do.index
+            pds_idx = q_idx if const_expr(self.pds_stages == self.num_stages) else 0
             # S = Q K^T, then dP = dO V^T
             pipe_q.consumer_wait(state_q)
             if const_expr(swap):
@@ -560,37 +574,42 @@ class FlashBwdSm90:
                                                   fastmath=True)
             rP = _to_dtype(acc_S, self.dtype)
             if const_expr(swap):
-                # dV += P^T dO straight from registers, on the tensor cores while dS forms
-                _wgmma(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
-                       tdVrdOt[None, None, None, do_idx], False)
+                if const_expr(not self.dv_after_ds):
+                    # dV += P^T dO straight from registers, on the tensor cores while dS forms
+                    _wgmma(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
+                           tdVrdOt[None, None, None, do_idx], False)
             else:
-                if const_expr(self.num_stages == 1):
+                if const_expr(self.pds_stages == 1):
                     # single P/dS buffer: both warpgroups are done with the previous block's
                     cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
-                cute.copy(store_PdS, store_PdS.retile(rP), tPsP[None, None, None, q_idx])
+                cute.copy(store_PdS, store_PdS.retile(rP), tPsP[None, None, None, pds_idx])
 
             # dS = P * (dP - delta)
-            warpgroup.wait_group(1 if const_expr(swap) else 0)  # dP done (dV in flight)
+            # dP done (dV still in flight where it overlaps dS)
+            warpgroup.wait_group(1 if const_expr(swap and not self.dv_after_ds) else 0)
             self._dscores(acc_S_rc, acc_dP_rc, by_query, sDelta, sLSE, q_idx, do_idx, inv_scale_log2)
             rdS = _to_dtype(acc_dP, self.dtype)
-            if const_expr(swap and self.num_stages == 1):
+            if const_expr(swap and self.pds_stages == 1):
                 # single dS buffer: the other warpgroup's dQ of the previous block read it
                 cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
-            cute.copy(store_PdS, store_PdS.retile(rdS), tdSsdS[None, None, None, q_idx])
+            cute.copy(store_PdS, store_PdS.retile(rdS), tdSsdS[None, None, None, pds_idx])
             cute.arch.fence_proxy("async.shared", space="cta")
             # dQ = dS K (and dV from smem P) read the columns of both warpgroups
             cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
 
+            if const_expr(swap and self.dv_after_ds):
+                _wgmma(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
+                       tdVrdOt[None, None, None, do_idx], False)
             if const_expr(not swap):
-                _wgmma(mma_dkv, acc_dV, tdVrPt[None, None, None, q_idx],
+                _wgmma(mma_dkv, acc_dV, tdVrPt[None, None, None, pds_idx],
                        tdVrdOt[None, None, None, do_idx], False)
             # dQ = dS K, dK += dS^T Q
-            _wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, q_idx], tdQrKt, True)
+            _wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, True)
             if const_expr(swap):
                 _wgmma(mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, a_regs),
                        tdKrQt[None, None, None, q_idx], False)
             else:
-                _wgmma(mma_dkv, acc_dK, tdKrdSt[None, None, None, q_idx],
+                _wgmma(mma_dkv, acc_dK, tdKrdSt[None, None, None, pds_idx],
                        tdKrQt[None, None, None, q_idx], False)
             warpgroup.wait_group(1)  # dV and dQ done, dK still running
             pipe_do.consumer_release(state_do)
