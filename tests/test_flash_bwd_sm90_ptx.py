@@ -136,3 +136,18 @@ def test_deterministic_plan_allocates_the_add_counts(monkeypatch):
         else:
             assert order.dim() == 4 and order.numel() == 1
             assert order.untyped_storage().data_ptr() == placeholder.untyped_storage().data_ptr()
+
+
+def test_kernels_hand_over_with_programmatic_dependent_launch(tmp_path):
+    """The main kernel and the postprocess are launched early (programmatic dependent launch):
+    each waits (griddepcontrol.wait) for the grid before it ahead of its first read of that
+    grid's output, and the grid before lets them launch (launch_dependents) once its CTAs are
+    under way, so launch latency overlaps the previous kernel's tail instead of following it."""
+    ptx = _ptx(flash_host.bwd_spec("bf16", 128, True), tmp_path)
+    pre, main, post = (_entry(ptx, name) for name in ("preprocess", "_main_kernel", "postprocess"))
+    assert "griddepcontrol.launch_dependents" in pre and "griddepcontrol.wait" not in pre
+    # the producer before the first lse/delta load, each dQ writer warp before its first add
+    assert main.count("griddepcontrol.wait") == 2 and "griddepcontrol.launch_dependents" in main
+    first_wait = main.index("griddepcontrol.wait")
+    assert first_wait < main.index("cp.reduce.async.bulk")
+    assert "griddepcontrol.wait" in post and post.index("griddepcontrol.wait") < post.index("ld.global")

@@ -162,3 +162,28 @@ def test_bounded_softcap_forward_has_no_running_max(tmp_path, monkeypatch):
     assert "max.f32" not in bounded and "max.NaN.f32" not in bounded
     assert bounded.count("shfl.sync") < capped.count("shfl.sync")
     assert bounded.count("tanh.approx.f32") == capped.count("tanh.approx.f32") > 0
+
+
+def test_split_kv_combine_is_launched_early(tmp_path, monkeypatch):
+    """Split-KV: the forward lets its combine kernel launch at once (launch_dependents), and the
+    combine waits (griddepcontrol.wait) for the whole forward grid before it reads a partial;
+    unsplit variants launch one kernel and carry neither."""
+    from torch_cute_ops.kernels import compile_spec
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+
+    def ptx(split_kv):
+        dump = tmp_path / str(split_kv)
+        config = flash_host.kvcache_config(128, None)
+        compile_spec(flash_host.fwd_spec("bf16", 128, False, config, rows="kvcache", split_kv=split_kv),
+                     dump_dir=dump)
+        (path,) = dump.glob("*.ptx")
+        return path.read_text()
+
+    split, whole = ptx(True), ptx(False)
+    entries = split.split(".entry")[1:]
+    combine = [e for e in entries if "combine" in e.split("(")[0].lower() or "SplitKv" in e.split("(")[0]]
+    assert len(combine) == 1 and "griddepcontrol.wait" in combine[0]
+    assert combine[0].index("griddepcontrol.wait") < combine[0].index("ld.global")
+    assert split.count("griddepcontrol.launch_dependents") == 1
+    assert "griddepcontrol" not in whole

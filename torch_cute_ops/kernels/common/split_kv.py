@@ -56,6 +56,7 @@ class SplitKvCombine:
     def kernel(self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                num_splits: Int32):
         per_row = self.threads_per_row
+        cute.arch.griddepcontrol_wait()  # launched early: the splits' partials come first
         tidx = cute.arch.thread_idx()[0]
         row = cute.arch.block_idx()[0] * self.rows_per_cta + tidx // per_row
         lane = tidx % per_row

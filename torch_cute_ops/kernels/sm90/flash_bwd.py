@@ -213,7 +213,7 @@ class FlashBwdSm90:
         rows.postprocess(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent, softmax_scale,
                          self._make_mmas()[2]).launch(
             grid=(cute.ceil_div(seqlen_q, self.tile_m), heads, batch),
-            block=[rows.post_threads, 1, 1], smem=rows.postprocess_smem_bytes(), stream=stream)
+            block=[rows.post_threads, 1, 1], smem=rows.postprocess_smem_bytes(), stream=stream, use_pdl=True)
 
     @cute.jit
     def _launch_main(self, mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, dq_order, mSeqInfoQ, mSeqInfoK,
@@ -292,7 +292,7 @@ class FlashBwdSm90:
             sQ_layout, sKV_layout, sP_layout, sdS_layout, sdQ_layout, sStat_layout,
             *self._softmax_scales(softmax_scale, softcap), softmax_scale, window_left, window_right, SharedStorage,
         ).launch(grid=grid, block=[128 + _NUM_MMA_THREADS, 1, 1],
-                 smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+                 smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1, use_pdl=True)
 
     def _softmax_scales(self, softmax_scale: Float32, softcap: Float32):
         """(scale_log2 that recomputes P with exp2, scale of the scores before tanh when capped)."""
@@ -407,6 +407,9 @@ class FlashBwdSm90:
             tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                                cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
             cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipe_kv.producer_get_barrier(state_kv))
+        # launched early (programmatic dependent launch): K and V are inputs, lse and delta
+        # come from the preprocess, whose grid must be done first
+        cute.arch.griddepcontrol_wait()
 
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -626,6 +629,8 @@ class FlashBwdSm90:
             state_q.advance()
             head, m_block = _next_query_block(head, m_block, m_block_min, m_block_max)
 
+        # the postprocess may launch now: it waits for this whole grid before reading dQ
+        cute.arch.griddepcontrol_launch_dependents()
         self._store_dkv(acc_dK, acc_dV, softmax_scale, mma_dkv, sK, sV, tma_dK, tma_dV,
                         mdK, mdV, mdK_rows, mdV_rows, tidx, n_block, kv_head, batch, bounds)
 
@@ -682,6 +687,7 @@ class FlashBwdSm90:
         accumulator with one 1-D bulk reduce-add, off the warpgroup's critical path
         (deterministic variants: from the last key block down, see :meth:`_dq_turn`)."""
         mDqOrder, mDqTurns = dq_order
+        cute.arch.griddepcontrol_wait()  # the preprocess zeroes the accumulator
         if const_expr(self.deterministic and self.masked):  # this key block's turns, one per query block
             mDqTurns = mDqTurns[batch, kv_head, n_block, None]
         src = sdQ[None, wg].iterator.toint()

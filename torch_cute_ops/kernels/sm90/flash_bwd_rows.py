@@ -80,6 +80,9 @@ class FlashBwdRowKernels:
     def preprocess(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
                    mLSElog2: cute.Tensor, mdQacc: cute.Tensor, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
                    keys_extent: Int32):
+        # the main kernel may launch now and load K, V and Q: it waits for this grid before it
+        # reads lse and delta or adds to the accumulator
+        cute.arch.griddepcontrol_launch_dependents()
         self._zero_share(mdQacc)
         b, s, h, lane = self._row_coords(mO.shape[2])
         bounds = SeqBounds(b, mO.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
@@ -121,6 +124,7 @@ class FlashBwdRowKernels:
         tile's real rows stored in 16-byte vectors: a warp writes whole 128-byte lines."""
         tidx = cute.arch.thread_idx()[0]
         m_block, h, b = cute.arch.block_idx()
+        cute.arch.griddepcontrol_wait()  # launched early: the main kernel's dQ adds come first
         bounds = SeqBounds(b, mdQ.shape[1], keys_extent, mSeqInfoQ, mSeqInfoK, self.rows, _STAT_PAD)
         if m_block * self.tile_m < bounds.seqlen_q:
             # rows padded by 16 bytes: the C partition's 8 rows of a warp hit 8 different bank quads

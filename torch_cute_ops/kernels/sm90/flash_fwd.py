@@ -299,7 +299,7 @@ class FlashFwdSm90:
             rows = cute.size(mO.shape[0]) * cute.size(mO.shape[2]) * cute.size(mO.shape[3])  # (S, D, H, B)
             self.combine.kernel(mOpart, mLSEpart, mO, mLSE, num_splits).launch(
                 grid=[cute.ceil_div(rows, self.combine.rows_per_cta), 1, 1],
-                block=[self.combine.threads, 1, 1], stream=stream)
+                block=[self.combine.threads, 1, 1], stream=stream, use_pdl=True)
 
     def _softmax_scales(self, softmax_scale: Float32, softcap: Float32):
         """(scale_log2 of the softmax's exp2, scale of the scores before tanh when capped)."""
@@ -400,6 +400,10 @@ class FlashFwdSm90:
         tile_source = TileSource(scheduler, pipe_tile, tile_slots, mTileCounter)
         splits = (num_batch, num_splits)  # the schedule's batch and the split count
         pipeline.pipeline_init_wait()
+        if const_expr(self.split_kv):
+            # the combine may launch now (it waits for this whole grid): a persistent grid is
+            # resident from the start, so its CTAs only take the SMs' spare slots
+            cute.arch.griddepcontrol_launch_dependents()
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
