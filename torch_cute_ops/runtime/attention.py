@@ -426,6 +426,9 @@ def packed_gqa_copies(q, group: int, out, lse):
     return q_rows, out_rows, lse_rows, finish
 
 
+# decode tiles whose (token, head) rows fit 64 run one consumer warpgroup
+DECODE_ONE_WARPGROUP = True
+
 # pack-GQA serves decode with up to this many query tokens (speculative decoding)
 PACK_GQA_MAX_QUERIES = 16
 
@@ -604,6 +607,10 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     head_dim = q.shape[-1]
     config = config or config_for(head_dim, causal, not packed and k.shape[1] <= SHORT_CAUSAL_KEYS,
                                   not (dense and unmasked))
+    if group and group * q.shape[1] <= 64 and DECODE_ONE_WARPGROUP:
+        # decode rows fill one warpgroup's 64: the second would run its GEMMs on empty rows in
+        # turn with the first, doubling each key block's latency
+        config = dataclasses.replace(config, num_wg=1, pingpong=False)
     if attn_mask == "bool" and config.tile_n % 32:  # bit-packed: whole 32-key words per key block
         config = dataclasses.replace(config, tile_n=config.tile_n // 32 * 32)
     splits = 1
