@@ -130,7 +130,8 @@ def test_decode_launches(launches):
     specs = [spec for spec, _ in launches]
     assert any(spec.get("split_kv") for spec in specs), "no split-KV variant was planned"
     # 4 and 16 (token, head) rows per kv head: one consumer warpgroup of 64 rows, no ping-pong
-    assert all(flash_host.FwdConfig(*spec["config"]).num_wg == 1 for spec in specs)
+    configs = [flash_host.FwdConfig(*spec["config"]) for spec in specs]
+    assert all(config.num_wg == 1 and config.num_stages == 3 for config in configs)  # D128: 3 fit
     for spec, args in launches:
         _check_agreement(spec, args)
 
