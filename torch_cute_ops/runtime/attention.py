@@ -427,6 +427,24 @@ def packed_gqa_copies(q, group: int, out, lse):
     return q_rows, out_rows, lse_rows, finish
 
 
+# decode tiles whose (token, head) rows fit 64 run one consumer warpgroup, with up to this many
+# K/V stages in the shared memory the second warpgroup's Q and O leave
+DECODE_ONE_WARPGROUP = True
+DECODE_MAX_STAGES = 3
+_SMEM_BYTES = 227 * 1024
+
+
+def _one_warpgroup_decode(config: FwdConfig, head_dim: int, elem_bytes: int) -> FwdConfig:
+    """``config`` with one consumer warpgroup (64 rows: a decode tile's 4-64 (token, head) rows;
+    a second one would run its GEMMs on empty rows in turn with the first, doubling each key
+    block's compute, which at 4k-key decode is as long as the block's memory time) and as many
+    K/V stages as fit (more bytes in flight per CTA)."""
+    slab = 64 * head_dim * elem_bytes  # Q, and O when it has its own
+    fixed = slab * (2 if config.separate_o else 1) + 1024  # + barriers and alignment
+    per_stage = 2 * config.tile_n * head_dim * elem_bytes
+    stages = max(config.num_stages, min(DECODE_MAX_STAGES, (_SMEM_BYTES - fixed) // per_stage))
+    return dataclasses.replace(config, num_wg=1, pingpong=False, num_stages=stages)
+
 # pack-GQA serves decode with up to this many query tokens (speculative decoding)
 PACK_GQA_MAX_QUERIES = 16
 
@@ -605,6 +623,8 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     head_dim = q.shape[-1]
     config = config or config_for(head_dim, causal, not packed and k.shape[1] <= SHORT_CAUSAL_KEYS,
                                   not (dense and unmasked))
+    if group and group * q.shape[1] <= 64 and DECODE_ONE_WARPGROUP:
+        config = _one_warpgroup_decode(config, head_dim, q.element_size())
     if attn_mask == "bool" and config.tile_n % 32:  # bit-packed: whole 32-key words per key block
         config = dataclasses.replace(config, tile_n=config.tile_n // 32 * 32)
     splits = 1

@@ -186,7 +186,7 @@ class FlashFwdSm90:
         self.rescale_threshold = config.rescale_threshold
         self.num_threads = 128 * (config.num_wg + 1)
         # 64K registers per SM: the producer WG keeps few, the consumers get the rest
-        self.consumer_regs, self.producer_regs = {2: (240, 24), 3: (160, 32)}[config.num_wg]
+        self.consumer_regs, self.producer_regs = {1: (240, 24), 2: (240, 24), 3: (160, 32)}[config.num_wg]
 
     # ------------------------------------------------------------------ host
     @cute.jit
