@@ -50,6 +50,8 @@ CASES = [
     (2, 16, 8, 8, 1024, 128, True, 100, 0.0),
     (3, 1, 8, 1, 512, 128, False, -1, 30.0),
     (2, 7, 8, 2, 640, None, True, 200, 20.0),
+    (2, 9, 64, 8, 1024, None, True, -1, 0.0),  # 72 (token, head) rows: two slabs, the second partly real
+    (2, 16, 32, 2, 512, 64, True, -1, 0.0),  # 256 rows: two query blocks
 ]
 
 

@@ -179,31 +179,6 @@ def test_packed_gqa_views_map_heads_to_rows():
     assert q_rows.data_ptr() == q.data_ptr() and out_rows.data_ptr() == out.data_ptr()
 
 
-def test_packed_gqa_copies_map_token_head_pairs_to_rows():
-    """Pack-GQA with several query tokens: row t * g + r of kv head h is token t of query head
-    h * g + r; the kernel's out and lse rows land back in (B, S_q, H_q, D) and (B, H_q, S_q)."""
-    from torch_cute_ops.runtime.attention import packed_gqa_copies
-
-    b, s, h_q, h_kv, d = 2, 3, 8, 2, 16
-    g = h_q // h_kv
-    q = torch.randn(b, h_q, s, d).transpose(1, 2)  # non-contiguous, as from a (B, H, S, D) projection
-    out, lse = torch.full((b, s, h_q, d), float("nan")), torch.full((b, h_q, s), float("nan"))
-    q_rows, out_rows, lse_rows, finish = packed_gqa_copies(q, g, out, lse)
-    assert q_rows.shape == out_rows.shape == (b, s * g, h_kv, d) and lse_rows.shape == (b, h_kv, s * g)
-    for h in range(h_kv):
-        for t in range(s):
-            for r in range(g):
-                assert torch.equal(q_rows[:, t * g + r, h], q[:, t, h * g + r])
-    out_rows.copy_(torch.randn_like(out_rows))
-    lse_rows.copy_(torch.randn_like(lse_rows))
-    finish()
-    for h in range(h_kv):
-        for t in range(s):
-            for r in range(g):
-                assert torch.equal(out[:, t, h * g + r], out_rows[:, t * g + r, h])
-                assert torch.equal(lse[:, h * g + r, t], lse_rows[:, h, t * g + r])
-
-
 @pytest.fixture
 def cpu_launch_plans(monkeypatch):
     """The forward's launch plans on CPU tensors: a 132-SM device 0, placeholders for the unused

@@ -408,25 +408,6 @@ def packed_gqa_views(q, group: int, out=None, lse=None):
     return q_rows, out_rows, lse_rows
 
 
-def packed_gqa_copies(q, group: int, out, lse):
-    """Decode with a few query tokens (S_q > 1) and grouped kv heads: the (token, head) pairs of
-    each kv head's group as S_q * group rows of one kv head, row ``t * group + g`` = token t of
-    query head ``h * group + g``. Not a strided view of (B, S_q, H_q, D) (two strides per row),
-    so q is copied in and the kernel's out and lse are copied back by the returned ``finish``:
-    a few KiB beside a cache read once per group instead of once per head."""
-    b, s, h_q, d = q.shape
-    h_kv = h_q // group
-    q_rows = q.unflatten(2, (h_kv, group)).transpose(2, 3).reshape(b, s * group, h_kv, d)
-    out_rows = torch.empty_like(q_rows)
-    lse_rows = torch.empty((b, h_kv, s * group), dtype=lse.dtype, device=lse.device)
-
-    def finish():
-        out.unflatten(2, (h_kv, group)).copy_(out_rows.view(b, s, group, h_kv, d).transpose(2, 3))
-        lse.unflatten(1, (h_kv, group)).copy_(lse_rows.view(b, h_kv, s, group).transpose(2, 3))
-
-    return q_rows, out_rows, lse_rows, finish
-
-
 # decode tiles whose (token, head) rows fit 64 and whose CTA walks at most this many key blocks
 # run one consumer warpgroup, with up to DECODE_MAX_STAGES K/V stages in the shared memory the
 # second warpgroup's Q and O leave. Measured on an H100 (GQA 32/8, D128, graph replays): -1.4 to
@@ -456,7 +437,7 @@ PACK_GQA_MAX_QUERIES = 16
 class FlashFwdLaunch:
     """The forward of one input layout: writes out (B, S_q, H_q, D) and lse (B, H_q, S_q).
     ``group`` > 0: the layout is decode with GQA, whose (token, head) pairs are the rows of
-    one kv head (:func:`packed_gqa_views`, :func:`packed_gqa_copies`)."""
+    one kv head (:func:`packed_gqa_views`)."""
 
     __slots__ = ("fn", "dynamic", "device_index", "grid", "no_keys", "group", "tiles", "splits")
 
@@ -469,12 +450,12 @@ class FlashFwdLaunch:
         self.splits = splits  # split-KV: CTAs per tile's key range (1: no split)
 
     def _gqa_rows(self, q, out, lse):
-        """q, out and lse as the kernel sees them, and what to run after it (or None)."""
-        if not self.group:
-            return q, out, lse, None
-        if q.shape[1] == 1:
-            return (*packed_gqa_views(q, self.group, out, lse), None)
-        return packed_gqa_copies(q, self.group, out, lse)
+        """q, out and lse as the kernel takes them: one query token's heads as the rows of a kv
+        head (strided views); with several tokens the kernel forms the (token, head) rows itself
+        (kernels.common.seqlen.gqa_rows)."""
+        if not self.group or q.shape[1] > 1:
+            return q, out, lse
+        return packed_gqa_views(q, self.group, out, lse)
 
     def _attends_to_nothing(self, out, lse) -> bool:
         """No keys at all (the plan has no kernel): every row is 0 with lse -inf."""
@@ -511,14 +492,12 @@ class FlashFwdLaunch:
                  softcap: float = 0.0) -> None:
         if self._attends_to_nothing(out, lse):
             return
-        q, out, lse, finish = self._gqa_rows(q, out, lse)
+        q, out, lse = self._gqa_rows(q, out, lse)
         unused = _unused_counter(self.device_index)
         counter = _tile_counter(q.device) if self.dynamic else unused
         self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right,
                 softcap, self.grid, *self._split_args(q))
-        if finish is not None:
-            finish()
 
     def padded(self, q, k, v, key_start, key_end, out, lse, softmax_scale: float, window_left: int = 0,
                window_right: int = 0, softcap: float = 0.0) -> None:
@@ -540,7 +519,7 @@ class FlashFwdLaunch:
         the plan's variant is kvcache. A contiguous cache is one page per entry."""
         if self._attends_to_nothing(out, lse):  # an empty cache
             return
-        q, out, lse, finish = self._gqa_rows(q, out, lse)
+        q, out, lse = self._gqa_rows(q, out, lse)
         counter = _tile_counter(q.device)
         rows = k_cache.shape[0] * k_cache.shape[1]
         k_rows = k_cache.reshape(1, rows, *k_cache.shape[2:])
@@ -548,8 +527,6 @@ class FlashFwdLaunch:
         self.fn(q, k_rows, v_rows, out, lse, counter, page_table.reshape(-1), key_lengths, page_table.shape[1],
                 page_size, *_mask_placeholders(self.device_index), softmax_scale, window_left, window_right,
                 softcap, self.grid, *self._split_args(q))
-        if finish is not None:
-            finish()
 
     def packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, out, lse,
                softmax_scale: float, window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
 
 from .flash_common import DslState
 
@@ -132,10 +133,48 @@ class SeqBounds(DslState):
         return self.padded_offset_q + row, self._entry(batch)
 
 
+def gqa_rows(m: cute.Tensor, group: int, head_mode: int) -> cute.Tensor:
+    """Pack-GQA with several query tokens: an (S, ..., H, ...) view of a q-like tensor (q, out,
+    lse, their split partials) whose rows are the (token, head) pairs of one kv head's group,
+    row ``t * group + j`` = token t of query head ``h * group + j``, and whose heads are the kv
+    heads. Not one stride: the rows mode is (group, S):(stride_H, stride_S), which row indexing
+    resolves (no TMA box fits it; :func:`load_rows` and :func:`store_rows` move such rows)."""
+    return cute.make_tensor(m.iterator, gqa_rows_layout(m.layout, group, head_mode))
+
+
+def gqa_rows_layout(layout: cute.Layout, group: int, head_mode: int) -> cute.Layout:
+    """The layout of :func:`gqa_rows`."""
+    shape, stride = list(layout.shape), list(layout.stride)
+    rows = ((group, shape[0]), (stride[head_mode], stride[0]))
+    shape[head_mode], stride[head_mode] = shape[head_mode] // group, stride[head_mode] * group
+    shape[0], stride[0] = rows
+    return cute.make_layout(tuple(shape), stride=tuple(stride))
+
+
+@cute.jit
+def load_rows(gX: cute.Tensor, sX: cute.Tensor, row_offset: Int32, num_rows: Int32, tidx: Int32,
+              num_threads: cutlass.Constexpr[int]):
+    """Start copies of rows ``row_offset + [0, rows of sX)`` of gmem (rows, cols) into an smem
+    tile, 16 bytes per cp.async (the caller commits and waits, or arrives on an mbarrier when
+    they land). Rows at or past ``num_rows`` repeat the last real row: finite values that are
+    never stored."""
+    rows, cols = cute.size(sX, mode=[0]), cute.size(sX, mode=[1])
+    vec = 128 // sX.element_type.width
+    chunks = cols // vec
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), sX.element_type, num_bits_per_copy=128)
+    for i in cutlass.range_constexpr(rows * chunks // num_threads):
+        idx = tidx + i * num_threads
+        r = idx // chunks
+        c = idx - r * chunks
+        src_row = row_offset + cutlass.min(r, num_rows - 1 - row_offset)
+        cute.copy(atom, cute.local_tile(gX[src_row, None], (vec,), (c,)), cute.local_tile(sX[r, None], (vec,), (c,)))
+
+
 @cute.jit
 def store_rows(sX: cute.Tensor, gX: cute.Tensor, num_rows: Int32, tidx: Int32,
-               num_threads: cutlass.Constexpr[int]):
-    """Copy rows ``[0, num_rows)`` of an smem tile (rows, cols) to gmem in 16-byte vectors.
+               num_threads: cutlass.Constexpr[int], row_offset: Int32 = 0):
+    """Copy rows ``[0, num_rows)`` of an smem tile (rows, cols) to gmem rows ``row_offset + r``
+    in 16-byte vectors.
 
     The store of a packed tile: a TMA store would also write the rows past ``num_rows``,
     which belong to the next sequence. ``num_threads`` threads, ``tidx`` in [0, num_threads).
@@ -153,5 +192,5 @@ def store_rows(sX: cute.Tensor, gX: cute.Tensor, num_rows: Int32, tidx: Int32,
             in_tile = in_tile & (idx < total)
         if in_tile:
             src = cute.local_tile(sX[r, None], (vec,), (c,))
-            dst = cute.local_tile(gX[r, None], (vec,), (c,))
+            dst = cute.local_tile(gX[row_offset + r, None], (vec,), (c,))
             dst.store(src.load())

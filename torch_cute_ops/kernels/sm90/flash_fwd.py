@@ -58,7 +58,7 @@ from ..common.flash_common import (
     tiled_wgmma,
     transposed_view,
 )
-from ..common.seqlen import SeqBounds, store_rows
+from ..common.seqlen import SeqBounds, gqa_rows, load_rows, store_rows
 from ..common.mask_args import mask_fakes
 from ..common.split_kv import SplitKvCombine, split_fakes, store_partial
 
@@ -166,8 +166,11 @@ class FlashFwdSm90:
         # flash-decoding: each tile's key range split over num_splits CTAs, which store fp32
         # partial O and lse; a combine kernel merges them
         self.split_kv = split_kv
-        # pack-GQA with several query tokens: rows are (token, head) pairs, the band is per token
+        # pack-GQA with several query tokens: rows are the (token, head) pairs of one kv head
+        # (common.seqlen.gqa_rows), the band is per token. They are no TMA box: the producer
+        # warp gathers Q with cp.async and the epilogue stores O row by row.
         self.rows_per_query = rows_per_query
+        self.gathered_rows = rows_per_query > 1
         self.combine = SplitKvCombine(dtype, head_dim)
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
@@ -220,8 +223,13 @@ class FlashFwdSm90:
         # (S, D, H, B): TMA tiles modes 0-1, heads and batch index the rest
         mQ, mK, mV, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = _select(mLSE, [2, 1, 0])  # (S_q, H_q, B)
+        mO_final, mLSE_final = mO, mLSE  # the combine's view (split variants)
+        tma_mQ_src, tma_mO_src = mQ, mO  # gathered rows: the TMA atoms are built but never used
+        if const_expr(self.gathered_rows):  # ((group, S_q), D, H_kv, B): rows of one kv head
+            mQ, mO = [gqa_rows(t, self.rows_per_query, 2) for t in (mQ, mO)]
+            mLSE = gqa_rows(mLSE, self.rows_per_query, 1)
         # packed: B = 1 and S the total; the sequences' bounds come from cu_seqlens
-        seqlen_q, seqlen_k, batch = mQ.shape[0], mK.shape[0], mQ.shape[3]
+        seqlen_q, seqlen_k, batch = cute.size(mQ, mode=[0]), mK.shape[0], mQ.shape[3]
         if const_expr(self.rows == "packed"):
             seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
             batch = SeqBounds.num_entries(batch, mSeqInfoQ, self.rows)
@@ -238,7 +246,7 @@ class FlashFwdSm90:
                                    a_source=warpgroup.OperandSource.RMEM)
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ, slab_layout, (64, D))
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, tma_mQ_src, slab_layout, (64, D))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(
             load_op, mK, cute.select(k_layout, mode=[0, 1]), (self.tile_n, D)
         )
@@ -246,7 +254,7 @@ class FlashFwdSm90:
             load_op, mV, cute.select(v_layout, mode=[0, 1]), (self.tile_n, D)
         )
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, slab_layout, (64, D)
+            cpasync.CopyBulkTensorTileS2GOp(), tma_mO_src, slab_layout, (64, D)
         )
         tx_bytes = [
             cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1]))
@@ -276,10 +284,14 @@ class FlashFwdSm90:
         mO_rows, mLSE_rows, tiles_batch = mO, mLSE, batch
         if const_expr(self.split_kv):  # (split, batch) pairs take the batch's place in the schedule
             mO_rows, mLSE_rows = _select(mOpart, [1, 3, 2, 0]), _select(mLSEpart, [2, 1, 0])
+            if const_expr(self.gathered_rows):
+                mO_rows, mLSE_rows = gqa_rows(mO_rows, self.rows_per_query, 2), gqa_rows(mLSE_rows,
+                                                                                       self.rows_per_query, 1)
             tiles_batch = batch * num_splits
         num_tiles = num_m_blocks * num_heads * tiles_batch
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mO, mO_rows, mLSE_rows, mTileCounter, mSeqInfoQ, mSeqInfoK, tiles_batch,
+            mQ if const_expr(self.gathered_rows) else tma_mQ, tma_mK, tma_mV, tma_mO, mO_rows, mLSE_rows,
+            mTileCounter, mSeqInfoQ, mSeqInfoK, tiles_batch,
             num_splits,
             mMask, mMaskBlocks, mMaskRange, 1.0 / softmax_scale, max_seqlen_q, max_seqlen_k,
             tma_q, tma_k, tma_v, tma_o,
@@ -296,8 +308,8 @@ class FlashFwdSm90:
             min_blocks_per_mp=1,
         )
         if const_expr(self.split_kv):
-            rows = cute.size(mO.shape[0]) * cute.size(mO.shape[2]) * cute.size(mO.shape[3])  # (S, D, H, B)
-            self.combine.kernel(mOpart, mLSEpart, mO, mLSE, num_splits).launch(
+            rows = cute.size(mO_final.shape[0]) * cute.size(mO_final.shape[2]) * cute.size(mO_final.shape[3])
+            self.combine.kernel(mOpart, mLSEpart, mO_final, mLSE_final, num_splits).launch(
                 grid=[cute.ceil_div(rows, self.combine.rows_per_cta), 1, 1],
                 block=[self.combine.threads, 1, 1], stream=stream, use_pdl=True)
 
@@ -357,7 +369,7 @@ class FlashFwdSm90:
         tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # one arrive per consumer warp (lane 0 signals)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_wg)
-        pipe_q, pipe_k, pipe_v = [
+        pipe_k, pipe_v = [
             pipeline.PipelineTmaAsync.create(
                 barrier_storage=mbar.data_ptr(),
                 num_stages=stages,
@@ -367,11 +379,21 @@ class FlashFwdSm90:
                 defer_sync=True,
             )
             for mbar, stages, tx in (
-                (storage.mbar_q, 1, tx_bytes_q),
                 (storage.mbar_k, self.num_stages, tx_bytes_k),
                 (storage.mbar_v, self.num_stages, tx_bytes_v),
             )
         ]
+        if const_expr(self.gathered_rows):
+            # Q gathered by the producer warp's 32 lanes, each arriving when its copies land
+            pipe_q = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_wg),
+                defer_sync=True)
+        else:
+            pipe_q = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_warp,
+                consumer_group=consumer_warps, tx_count=tx_bytes_q, defer_sync=True)
         pipe_tile, tile_slots = None, None
         if const_expr(self.dynamic_schedule):
             # the next tile, claimed by the producer warp, read by every consumer thread
@@ -415,7 +437,7 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO, mO_rows, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tile_source, scale_log2, cap_scale,
-                         mQ.shape[0], mK.shape[0], mSeqInfoQ, mSeqInfoK, mMask, mMaskBlocks, mMaskRange,
+                         cute.size(mQ, mode=[0]), mK.shape[0], mSeqInfoQ, mSeqInfoK, mMask, mMaskBlocks, mMaskRange,
                          inv_scale, window_left, window_right, pages_per_entry, page_size, splits)
 
     # -------------------------------------------------------------- producer
@@ -434,16 +456,14 @@ class FlashFwdSm90:
             m_block, head, slot = scheduler.coords(tile)
             batch, split = self.split_of(slot, splits)
             head_kv = head // q_per_kv
-            bounds = SeqBounds(batch, mQ.shape[0], mK.shape[0], mSeqInfoQ, mSeqInfoK, self.rows,
+            bounds = SeqBounds(batch, cute.size(mQ, mode=[0]), mK.shape[0], mSeqInfoQ, mSeqInfoK, self.rows,
                                pages_per_entry=pages_per_entry, page_size=page_size)
             if self.tile_has_rows(m_block, bounds):
                 keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch, split,
                                       splits)
                 # ((TMA atom), rest) views of the smem stages and the gmem tiles
-                gQ = cute.local_tile(bounds.q_rows(mQ, head, batch), (64, D), (None, 0))
                 gK = cute.local_tile(bounds.k_rows(mK, head_kv, batch), (self.tile_n, D), (None, 0))
                 gV = cute.local_tile(bounds.k_rows(mV, head_kv, batch), (self.tile_n, D), (None, 0))
-                tQsQ, tQgQ = self._tma_views(tma_q, sQ, gQ)
                 tKsK, tKgK = self._tma_views(tma_k, sK, gK)
                 tVsV, tVgV = self._tma_views(tma_v, sV, gV)
                 n_min, n_max = keys.n_block_min, keys.n_block_max
@@ -452,10 +472,7 @@ class FlashFwdSm90:
                     pipe_k.producer_acquire(kv_state)
                     cute.copy(tma_k, kv_tile(tKgK, tma_k, sK, mK, n_max - 1), tKsK[None, kv_state.index],
                               tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                pipe_q.producer_acquire(q_state)
-                for w in cutlass.range_constexpr(self.num_wg):
-                    cute.copy(tma_q, tQgQ[None, m_block * self.num_wg + w], tQsQ[None, w],
-                              tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                self.load_q(mQ, sQ, tma_q, pipe_q, q_state, m_block, head, batch, bounds)
                 q_state.advance()
                 if n_max > n_min:
                     # K of block n-1 goes before V of block n: the consumers' order
@@ -474,6 +491,23 @@ class FlashFwdSm90:
                               tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
             tile, tile_state = tile_source.produce_next(tile, tile_state)
+
+    @cute.jit
+    def load_q(self, mQ, sQ, tma_q, pipe_q, q_state, m_block, head, batch, bounds: SeqBounds):
+        """The tile's Q slabs: one TMA box each, or (gathered rows) cp.async by the warp's lanes."""
+        pipe_q.producer_acquire(q_state)
+        if const_expr(self.gathered_rows):
+            lane = cute.arch.lane_idx()
+            for w in cutlass.range_constexpr(self.num_wg):
+                load_rows(mQ[None, None, head, batch], sQ[None, None, w], (m_block * self.num_wg + w) * 64,
+                          bounds.seqlen_q, lane, 32)
+            cute.arch.cp_async_mbarrier_arrive_noinc(pipe_q.producer_get_barrier(q_state))
+        else:
+            gQ = cute.local_tile(bounds.q_rows(mQ, head, batch), (64, self.head_dim), (None, 0))
+            tQsQ, tQgQ = self._tma_views(tma_q, sQ, gQ)
+            for w in cutlass.range_constexpr(self.num_wg):
+                cute.copy(tma_q, tQgQ[None, m_block * self.num_wg + w], tQsQ[None, w],
+                          tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
 
     @staticmethod
     def _tma_views(atom, s: cute.Tensor, g: cute.Tensor):
@@ -598,6 +632,8 @@ class FlashFwdSm90:
                 n_min, n_max = keys.n_block_min, keys.n_block_max
                 banded = self.causal or self.local
                 pipe_q.consumer_wait(q_state)
+                if const_expr(self.gathered_rows):
+                    cute.arch.fence_view_async_shared()  # the lanes' cp.async writes, seen by WGMMA
                 if n_max > n_min:
                     # last key block first: it alone may hold keys past seqlen_k
                     pipe_k.consumer_wait(kv_state)
@@ -747,6 +783,8 @@ class FlashFwdSm90:
             # rows past the entry's end are not its own: plain stores, row by row
             gO = cute.local_tile(bounds.q_rows(mO_rows, head, batch), (64, D), (m_block * self.num_wg + wg, 0))
             store_rows(sO, gO, bounds.seqlen_q - row_start, wg_tidx, 128)
+        elif const_expr(self.gathered_rows):
+            store_rows(sO, mO_rows[None, None, head, batch], bounds.seqlen_q - row_start, wg_tidx, 128, row_start)
         else:
             if wg_tidx < 32:
                 gO = cute.local_tile(mO[None, None, head, batch], (64, D), (None, 0))
