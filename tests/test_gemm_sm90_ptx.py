@@ -182,3 +182,8 @@ def test_config_heuristic():
     assert choose_config("sm_90a", 8192, 8192, 8192).cluster_mn == (2, 1)
     assert choose_config("sm_90a", 32, 4096, 4096).tile_m == 64
     assert choose_config("sm_90a", 256, 512, 512).tile_mn == (128, 128)
+    # short K over many tiles: 128 x 192 ping-pong (16-bit); FP8 and K = 4096 stay cooperative
+    small_k = choose_config("sm_90a", 8192, 8192, 1024)
+    assert (small_k.tile_mn, small_k.cluster_mn, small_k.pingpong) == ((128, 192), (2, 1), True)
+    assert not choose_config("sm_90a", 8192, 8192, 1024, fp8=True).pingpong
+    assert not choose_config("sm_90a", 8192, 8192, 4096).pingpong

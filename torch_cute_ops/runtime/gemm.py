@@ -227,7 +227,7 @@ class GemmHost:
         o_strides = out_strides(out_shape, out_dtype.itemsize)
         rank = len(a_shape)  # 2-D operands take the rank-2 variant: no 3-D views per call
         sms = sm_count(device_index)
-        config = config or choose_config(self.arch, m, n, k, batch, sms)
+        config = config or choose_config(self.arch, m, n, k, batch, sms, fp8=scale_mode is not None)
         if scale_mode is None:
             spec = self.spec(DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], a_k_major, not b_n_major,
                              bias_layout is not None, activation, config, rank)
@@ -294,16 +294,18 @@ def sm_count(device_index: int) -> int:
 
 
 def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
-    """bf16 row-major A and B at the two big tiles, the fused bias + gelu_tanh MLP epilogue,
+    """bf16 row-major A and B at the three big tiles, the fused bias + gelu_tanh MLP epilogue,
     nn.Linear's layout, the fp16 twin; 2-D operands (the eager common case), one batched; FP8
     e4m3 -> bf16 with rowwise and with blockwise scales."""
     big, medium = GemmConfig(128, 256, 2, 1), GemmConfig(128, 128, 2, 1)
+    short_k = GemmConfig(128, 192, 2, 1, pingpong=True)  # large M, N at K <= 1024
     e4m3 = torch.float8_e4m3fn
     return [
         host.spec("bf16", "bf16", True, False, False, None, big, rank)
         for rank in (2, 3)
     ] + [
         host.spec("bf16", "bf16", True, False, False, None, medium, 2),
+        host.spec("bf16", "bf16", True, False, False, None, short_k, 2),
         host.spec("bf16", "bf16", True, False, True, "gelu_tanh", big, 2),
         host.spec("bf16", "bf16", True, True, True, None, big, 2),  # x @ W.T + b, nn.Linear's weight
         host.spec("fp16", "fp16", True, False, False, None, big, 2),
