@@ -116,6 +116,14 @@ def test_alpha(alpha, bias, activation):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bias_pairs_and_odd_n(dtype):
+    """The bias is read as pairs of columns (one 32-bit word): a single-row output with an odd
+    N (its own column-by-column variant) and an N tail inside the last pair's tile."""
+    run_case(1, 1001, 1000, b_n_major=False, dtype=dtype, bias=True, activation="gelu_tanh", two_d=True)
+    run_case(130, 264, 72, dtype=dtype, bias=True, activation="gelu_tanh")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp32_out(dtype):
     run_case(300, 264, 520, batch=2, dtype=dtype, out_dtype=torch.float32, bias=True, activation="silu")
 

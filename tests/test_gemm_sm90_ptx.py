@@ -67,8 +67,8 @@ def test_fp8_ptx(case, tmp_path):
     """FP8 variants: e4m3/e5m2 WGMMA over 128-wide k-tiles (k32 instructions, 4 per k-tile and
     warpgroup batch), no spills; the scales are read from global memory a fixed number of times
     per thread: once in the epilogue for per-tensor / rowwise ones (2 values per row-pair, one
-    per column), once per k-tile for blockwise ones (2 rows of A, one B block, loaded where the
-    k-tile's batch is issued)."""
+    per column; a 16-bit bias one word per column pair), once per k-tile for blockwise ones (2
+    rows of A, one B block, loaded where the k-tile's batch is issued)."""
     from torch_cute_ops.runtime.gemm import scaled_spec
 
     mode, a_dtype, b_dtype, out_dtype, bias_dtype, activation, config = case
@@ -86,6 +86,8 @@ def test_fp8_ptx(case, tmp_path):
     expected = {"tensor": 2, "row": 2 + columns_per_thread, "block": 4 * 3}[mode]
     if bias_dtype == torch.float32:
         expected += columns_per_thread
+    elif bias_dtype is not None:  # a 16-bit bias: one 32-bit word per pair of columns
+        expected += columns_per_thread // 2
     assert scale_loads == expected, (scale_loads, expected)
     if mode == "block":
         # the per-k-tile promotion, one FFMA per accumulator value, at its four places

@@ -237,6 +237,8 @@ class GemmHost:
             spec = scaled_spec(self, dtype, b_dtype or dtype, out_dtype, bias_dtype if bias_layout else None,
                                scale_mode, activation, config, rank)
             launch_type = ScaledGemmLaunch
+        if bias_layout is not None and n % 2:  # only single-row outputs: the bias read column by column
+            spec = KernelSpec.make(spec.family, spec.arch, **dict(spec.params), odd_n=True)
         out_received = tuple(a_shape[:-1]) + (n,)
         views = (_view(a_shape, a_stride, a3[0][3 - rank:], a_strides[3 - rank:]),
                  _view(b_shape, b_stride, b3[0][3 - rank:], b_strides[3 - rank:]),

@@ -79,7 +79,8 @@ class Sm90Gemm:
     """
 
     def __init__(self, ab_dtype, out_dtype, a_k_major: bool, b_k_major: bool, has_bias: bool,
-                 activation, config: GemmConfig, b_dtype=None, bias_dtype=None, scale_mode=None):
+                 activation, config: GemmConfig, b_dtype=None, bias_dtype=None, scale_mode=None,
+                 odd_n: bool = False):
         if config.tile_m not in (64, 128) or config.tile_n not in (64, 128, 192, 256):
             raise ValueError(f"unsupported sm90 tile {config.tile_mn}")
         if scale_mode not in SCALE_MODES:
@@ -92,6 +93,7 @@ class Sm90Gemm:
         self.ab_dtype = ab_dtype  # A's dtype (B's too unless b_dtype says otherwise)
         self.b_dtype = b_dtype or ab_dtype
         self.bias_dtype = bias_dtype or ab_dtype
+        self.odd_n = odd_n  # N may be odd (a bias read column by column)
         self.scale_mode = scale_mode
         self.out_dtype = out_dtype
         self.a_k_major = a_k_major
@@ -376,6 +378,7 @@ class Sm90Gemm:
         num_work_units = sched.num_work_units
         while work_idx < num_work_units:
             tile_m_idx, tile_n_idx, batch_idx = sched.tile_coord(work_idx)
+            column_values = self._column_values(tCcC, mBias, mScaleB, tile_n_idx * tile_n, mC_mnl.shape, batch_idx)
 
             if cutlass.const_expr(self.pingpong):
                 my_turn.arrive_and_wait()
@@ -398,8 +401,8 @@ class Sm90Gemm:
                 release_state = _advance_state(release_state, skip)
 
             # ---- epilogue: alpha, bias and activation in fp32 registers, then out
-            self._scale_add_bias(acc, alpha, tCcC, mBias, mScaleA, mScaleB, tile_m_idx * tile_m, tile_n_idx * tile_n,
-                                 mC_mnl.shape, batch_idx)
+            self._scale_add_bias(acc, alpha, tCcC, column_values, mScaleA, tile_m_idx * tile_m, mC_mnl.shape,
+                                 batch_idx)
             apply_activation(acc, self.activation)
             if cutlass.const_expr(self.direct_store):
                 self._store_direct(acc, tCcC, mC_mnl, tile_m_idx, tile_n_idx, batch_idx)
@@ -554,30 +557,67 @@ class Sm90Gemm:
         warpgroup.commit_group()
 
     @cute.jit
-    def _scale_add_bias(self, acc, alpha, tCcC, mBias, mScaleA, mScaleB, row_start, col_start, mn_shape,
-                        batch_idx):
-        """acc = alpha * acc (* scale_a[row] * scale_b[col] for rowwise scales) (+ bias). Rows
-        and columns past M and N read the last row's and column's values: those outputs are
-        never stored."""
-        last_row, last_col = mn_shape[0] - 1, mn_shape[1] - 1
-        # per-column values (bias, rowwise scale_b) of this thread's columns, each loaded once: the
-        # fragment's values are ((2 cols, 2 rows, n/8 col groups), m, n), rows in modes 0.1 and 1
-        col_scales, col_bias = {}, {}
+    def _column_values(self, tCcC, mBias, mScaleB, col_start, mn_shape, batch_idx) -> tuple:
+        """This thread's per-column values of the tile (bias, rowwise scale_b): ({pair: (even
+        column's, odd column's)}, same for scale_b), each loaded once and issued before the main
+        loop so that their latency hides under it. The fragment's values are ((2 cols, 2 rows,
+        n/8 col groups), m, n): a pair of adjacent columns, the first even, is one 32-bit load
+        when both are inside N; columns past N read the last column's value (never stored)."""
+        last_col = mn_shape[1] - 1
+        bias, scale_b = {}, {}
+        for i in cutlass.range_constexpr(cute.size(tCcC)):
+            coord = cute.idx2crd(i, tCcC.shape)
+            pair = (coord[0][2], coord[2])
+            if cutlass.const_expr(coord[0][0] == 0 and coord[0][1] == 0 and coord[1] == 0):
+                col = col_start + tCcC[i][1]  # even
+                if cutlass.const_expr(self.has_bias):
+                    bias[pair] = self._load_pair(mBias, col, last_col)
+                if cutlass.const_expr(self.scale_mode == "row"):
+                    scale_b[pair] = (mScaleB[0, cutlass.min(col, last_col), batch_idx],
+                                     mScaleB[0, cutlass.min(col + 1, last_col), batch_idx])
+        return bias, scale_b
+
+    @cute.jit
+    def _load_pair(self, mBias, col, last_col):
+        """Bias columns ``col`` (even) and ``col + 1``. A 16-bit bias with an even N (every
+        output whose rows TMA stores) loads them as one 32-bit word, past N the last pair, split
+        only in the epilogue (:meth:`_bias_pair`): splitting here would wait for the load ahead
+        of the main loop. An fp32 bias, or an odd N (a single-row output, its own variant),
+        loads the clamped columns one by one."""
+        if cutlass.const_expr(self.odd_n or self.bias_dtype.width != 16):
+            return mBias[cutlass.min(col, last_col)], mBias[cutlass.min(col + 1, last_col)]
+        words = cute.make_tensor(cute.recast_ptr(mBias.iterator, dtype=Int32), cute.make_layout(mBias.shape[0] // 2))
+        return words[cutlass.min(col, last_col) // 2]
+
+    @cute.jit
+    def _bias_pair(self, loaded) -> tuple:
+        """The two fp32 bias values of a :meth:`_load_pair` result."""
+        if cutlass.const_expr(self.odd_n or self.bias_dtype.width != 16):
+            return Float32(loaded[0]), Float32(loaded[1])
+        # little-endian: the even column is the low half. Integer ops, not a 2 x 16-bit view:
+        # ptxas would split such a view right after the load, ahead of the main loop
+        if cutlass.const_expr(self.bias_dtype == cutlass.BFloat16):  # bf16 is fp32's upper half
+            return (loaded << 16).bitcast(Float32), (loaded & Int32(-65536)).bitcast(Float32)
+        low, high = cutlass.Int16(loaded & Int32(0xFFFF)), cutlass.Int16(loaded >> 16)
+        return Float32(low.bitcast(self.bias_dtype)), Float32(high.bitcast(self.bias_dtype))
+
+    @cute.jit
+    def _scale_add_bias(self, acc, alpha, tCcC, column_values, mScaleA, row_start, mn_shape, batch_idx):
+        """acc = alpha * acc (* scale_a[row] * scale_b[col] for rowwise scales) (+ bias), the
+        per-column values from :meth:`_column_values`. Rows past M read the last row's values:
+        those outputs are never stored."""
+        last_row = mn_shape[0] - 1
+        loaded_bias, scale_b = column_values
+        bias = {pair: self._bias_pair(loaded) for pair, loaded in loaded_bias.items()}
         for i in cutlass.range_constexpr(cute.size(acc)):
             coord = cute.idx2crd(i, acc.shape)
-            col_key = (coord[0][0], coord[0][2], coord[2])
+            pair, odd = (coord[0][2], coord[2]), coord[0][0]
             scale = alpha
             if cutlass.const_expr(self.scale_mode == "row"):
-                if cutlass.const_expr(col_key not in col_scales):
-                    col = cutlass.min(col_start + tCcC[i][1], last_col)
-                    col_scales[col_key] = mScaleB[0, col, batch_idx]
                 row = cutlass.min(row_start + tCcC[i][0], last_row)
-                scale = alpha * mScaleA[row, 0, batch_idx] * col_scales[col_key]
+                scale = alpha * mScaleA[row, 0, batch_idx] * scale_b[pair][odd]
             if cutlass.const_expr(self.has_bias):
-                if cutlass.const_expr(col_key not in col_bias):
-                    col = cutlass.min(col_start + tCcC[i][1], last_col)
-                    col_bias[col_key] = Float32(mBias[col])
-                acc[i] = acc[i] * scale + col_bias[col_key]
+                acc[i] = acc[i] * scale + bias[pair][odd]
             else:
                 acc[i] = acc[i] * scale
 
@@ -612,7 +652,8 @@ def build(spec: KernelSpec):
     b_dtype = _DSL_TYPES[spec.get("b", spec["ab"])]
     bias_dtype = _DSL_TYPES[spec.get("bias_dtype", spec["ab"])]
     gemm = Sm90Gemm(ab_dtype, out_dtype, spec["a_major"] == "k", spec["b_major"] == "k", spec["bias"],
-                    activation, GemmConfig.from_spec_params(spec), b_dtype, bias_dtype, scale_mode)
+                    activation, GemmConfig.from_spec_params(spec), b_dtype, bias_dtype, scale_mode,
+                    spec.get("odd_n", False))
     # torch-order tensors (a (L, M, K), b (L, K, N), out (L, M, N)); the jit function
     # permutes their layouts, so the host passes torch tensors as they are
     rank = spec["rank"]
