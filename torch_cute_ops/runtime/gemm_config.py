@@ -95,8 +95,9 @@ def num_tiles(m: int, n: int, batch: int, tile_m: int, tile_n: int) -> int:
 
 # Up to this K, large problems take 128 x 192 ping-pong tiles: a tile's main loop is short (16
 # k-tiles at 1024), so the epilogue the other warpgroup overlaps is a large share of it.
-# Measured (H100, 16-bit, two runs): +3% at 8192 x 8192 x 1024; at K = 4096 and 8192 the gain
-# or loss stayed within run-to-run noise (+-3%), so those keep 128 x 256 cooperative.
+# Measured (H100, 16-bit): +3% at 8192 x 8192 x 1024 as a bare config, +8% through tco.gemm
+# (two runs each); at K = 4096 and 8192 the gain or loss stayed within run-to-run noise
+# (+-3%), so those keep 128 x 256 cooperative.
 SM90_PINGPONG_MAX_K = 1024
 
 

@@ -58,7 +58,7 @@ from ..common.flash_common import (
     tiled_wgmma,
     transposed_view,
 )
-from ..common.seqlen import SeqBounds, gqa_rows, load_rows, store_rows
+from ..common.seqlen import SeqBounds, gqa_rows, load_rows, seq_major, store_rows
 from ..common.mask_args import mask_fakes
 from ..common.split_kv import SplitKvCombine, split_fakes, store_partial
 
@@ -221,13 +221,11 @@ class FlashFwdSm90:
     ):
         D = self.head_dim
         # (S, D, H, B): TMA tiles modes 0-1, heads and batch index the rest
-        mQ, mK, mV, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
         mLSE = _select(mLSE, [2, 1, 0])  # (S_q, H_q, B)
         mO_final, mLSE_final = mO, mLSE  # the combine's view (split variants)
         tma_mQ_src, tma_mO_src = mQ, mO  # gathered rows: the TMA atoms are built but never used
-        if const_expr(self.gathered_rows):  # ((group, S_q), D, H_kv, B): rows of one kv head
-            mQ, mO = [gqa_rows(t, self.rows_per_query, 2) for t in (mQ, mO)]
-            mLSE = gqa_rows(mLSE, self.rows_per_query, 1)
+        mQ, mO, mLSE = self._rows(mQ, 2), self._rows(mO, 2), self._rows(mLSE, 1)
         # packed: B = 1 and S the total; the sequences' bounds come from cu_seqlens
         seqlen_q, seqlen_k, batch = cute.size(mQ, mode=[0]), mK.shape[0], mQ.shape[3]
         if const_expr(self.rows == "packed"):
@@ -283,10 +281,7 @@ class FlashFwdSm90:
         )
         mO_rows, mLSE_rows, tiles_batch = mO, mLSE, batch
         if const_expr(self.split_kv):  # (split, batch) pairs take the batch's place in the schedule
-            mO_rows, mLSE_rows = _select(mOpart, [1, 3, 2, 0]), _select(mLSEpart, [2, 1, 0])
-            if const_expr(self.gathered_rows):
-                mO_rows, mLSE_rows = gqa_rows(mO_rows, self.rows_per_query, 2), gqa_rows(mLSE_rows,
-                                                                                       self.rows_per_query, 1)
+            mO_rows, mLSE_rows = self._rows(seq_major(mOpart), 2), self._rows(_select(mLSEpart, [2, 1, 0]), 1)
             tiles_batch = batch * num_splits
         num_tiles = num_m_blocks * num_heads * tiles_batch
         self.kernel(
@@ -312,6 +307,11 @@ class FlashFwdSm90:
             self.combine.kernel(mOpart, mLSEpart, mO_final, mLSE_final, num_splits).launch(
                 grid=[cute.ceil_div(rows, self.combine.rows_per_cta), 1, 1],
                 block=[self.combine.threads, 1, 1], stream=stream, use_pdl=True)
+
+    def _rows(self, t: cute.Tensor, head_mode: int) -> cute.Tensor:
+        """A q-like (S, ..., H, ...) view as the kernel indexes its rows: gathered rows,
+        ((group, S_q), ..., H_kv, ...) (common.seqlen.gqa_rows); else ``t`` itself."""
+        return gqa_rows(t, self.rows_per_query, head_mode) if const_expr(self.gathered_rows) else t
 
     def _softmax_scales(self, softmax_scale: Float32, softcap: Float32):
         """(scale_log2 of the softmax's exp2, scale of the scores before tanh when capped)."""
