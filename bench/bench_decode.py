@@ -13,7 +13,11 @@ with q batched (B, S_q, H, D), and the same with ``page_table`` (see ``fa4_kvcac
 bandwidth is cache bytes / time. Medians of ``triton.testing.do_bench``, interleaved rounds.
 A decode step is microseconds of GPU work, so host time per call shows in eager timings; the
 "graph" columns replay the same call captured in a CUDA graph (as serving loops run it): GPU
-time only, for kvcache, FA4 and torch. Speed ratios are the other's time / ours.
+time only, for kvcache, paged, FA4 and torch. do_bench empties the L2 by writing a buffer, so a
+call that reads tens of MiB also pays for writing back those dirty lines; the "clean" columns
+time the same graph replays after a read-only flush (``bench.interleave.time_clean_l2``): a cold
+L2 holding no dirty lines, as a decode step in a serving loop finds it. Speed ratios are the
+other's time / ours.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.interleave import time_clean_l2  # noqa: E402
 
 SHAPES = [(8, 4096, 32, 8), (64, 2048, 32, 8), (1, 32768, 32, 8), (64, 4096, 64, 8), (256, 1024, 32, 8)]
 
@@ -106,30 +112,34 @@ def main() -> None:
         if fa4 is not None:
             calls["fa4"] = fa4_kvcache(fa4, q, k, v, lengths, split_kv=fa4_splits)
             calls["fa4 paged"] = fa4_kvcache(fa4, q, k_pages, v_pages, lengths, table, split_kv=fa4_splits)
-        calls["kvcache graph"] = graphed(calls["kvcache"])
-        calls["tco graph"] = graphed(calls["tco"])
-        if fa4 is not None:
-            calls["fa4 graph"] = graphed(calls["fa4"])
-        calls["torch graph"] = graphed(calls["torch"])
+        graphs = {f"{name} graph": graphed(calls[name])
+                  for name in ("kvcache", "paged", "tco", "fa4", "fa4 paged", "torch") if name in calls}
+        calls |= graphs
         times = {name: [] for name in calls}
         for _ in range(args.rounds):
             for name, fn in calls.items():
                 times[name].append(do_bench(fn, warmup=25, rep=100, return_mode="median"))
         ms = {name: statistics.median(t) for name, t in times.items()}
+        ms |= {name.replace(" graph", " clean"): t for name, t in time_clean_l2(graphs, args.rounds).items()}
         gbs = {name: 2 * k.numel() * 2 / (t * 1e-3) / 1e9 for name, t in ms.items()}
         row = {"shape": [batch, seqlen_k, h_q, h_kv], "ms": ms, "kv_gb_s": gbs}
         ratios = (f"kvcache/torch speed {ms['torch'] / ms['kvcache']:.2f}x (graphs "
-                  f"{ms['torch graph'] / ms['kvcache graph']:.2f}x), paged/kvcache {ms['kvcache'] / ms['paged']:.2f}x")
+                  f"{ms['torch graph'] / ms['kvcache graph']:.2f}x, "
+                  f"clean {ms['torch clean'] / ms['kvcache clean']:.2f}x)"
+                  f", paged/kvcache {ms['kvcache'] / ms['paged']:.2f}x (graphs "
+                  f"{ms['kvcache graph'] / ms['paged graph']:.2f}x, "
+                  f"clean {ms['kvcache clean'] / ms['paged clean']:.2f}x)")
         if fa4 is not None:
             vs_fa4 = {"kvcache": ms["fa4"] / ms["kvcache"], "paged": ms["fa4 paged"] / ms["paged"],
-                      "graphs": ms["fa4 graph"] / ms["kvcache graph"]}
+                      "graphs": ms["fa4 graph"] / ms["kvcache graph"], "clean": ms["fa4 clean"] / ms["kvcache clean"],
+                      "paged clean": ms["fa4 paged clean"] / ms["paged clean"]}
             ours, theirs = calls["kvcache"]().float(), calls["fa4"]().float()
             row |= {"speed_vs_fa4": vs_fa4, "fa4_rel_diff": ((ours - theirs).norm() / theirs.norm()).item()}
             ratios += (", tco/FA4 speed " + ", ".join(f"{name} {x:.2f}x" for name, x in vs_fa4.items())
                        + f" (outputs' rel. diff {row['fa4_rel_diff']:.1e})")
         rows.append(row)
         print(f"B{batch:<4} keys {seqlen_k:<6} H{h_q}/{h_kv}: " + ", ".join(
-            f"{name} {ms[name]:.4f} ms ({gbs[name]:.0f} GB/s)" for name in calls) + "; " + ratios)
+            f"{name} {ms[name]:.4f} ms ({gbs[name]:.0f} GB/s)" for name in ms) + "; " + ratios)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(rows, indent=1))
 

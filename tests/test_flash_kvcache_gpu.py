@@ -142,6 +142,46 @@ def test_cuda_graph_decode_step_replays_with_new_lengths():
         _close("replayed out", out, ref_out)
 
 
+def test_captured_steps_take_their_own_zeroed_counters():
+    """Two captured decode steps replayed in turns: each captured launch's tile counter is its own
+    slot of the slab an eager call zeroed (no memset node in the graph), and every replay finds it
+    at zero again; a counter left non-zero would skip tiles (stale outputs, caught below)."""
+    from torch_cute_ops.runtime import attention as rt
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    steps = []
+    for batch, s_q, cap, page in ((2, 1, 2048, None), (3, 4, 1024, 256)):
+        cache = [torch.randn(batch, cap, 2, 128, device="cuda", generator=gen).bfloat16() for _ in range(2)]
+        lengths = torch.randint(1, cap + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+        q = torch.empty(batch, s_q, 8, 128, device="cuda", dtype=torch.bfloat16)
+        kv, table = (cache, None) if page is None else _paged(cache, page, gen)
+        call = (lambda q=q, kv=kv, table=table, lengths=lengths:
+                tco.flash_attn_with_kvcache(q, *kv, cache_seqlens=lengths, page_table=table, causal=True))
+        q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
+        call()  # eager warm-up: compiles, and zeroes the slab the captures take counters from
+        steps.append((q, cache, lengths, call))
+    torch.cuda.synchronize()
+    used = rt._capture_slabs[torch.cuda.current_device()][1]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graphs = []
+    for q, cache, lengths, call in steps:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            out = call()
+        graphs.append((graph, out))
+    torch.cuda.current_stream().wait_stream(stream)
+    assert rt._capture_slabs[torch.cuda.current_device()][1] == used + 2, "one slab slot per captured launch"
+    for _ in range(2):
+        for (q, cache, lengths, _), (graph, out) in zip(steps, graphs):
+            q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            ref_out, _ = _reference(q, *cache, lengths.tolist(), True, (-1, 0), 0.0)
+            _close("replayed out", out, ref_out)
+
+
 def test_compiled_decode_step_keeps_the_cache_write():
     batch, cap = 2, 512
     k_cache = torch.zeros(batch, cap, 2, 128, device="cuda", dtype=torch.bfloat16)

@@ -79,3 +79,25 @@ def test_split_kv_fills_one_wave(tiles, key_blocks):
         assert splits == min(sms // tiles, key_blocks // 4, 32)  # as many as one wave holds
     else:
         assert splits == 1
+
+
+def test_captured_launches_take_distinct_slots_of_a_zeroed_slab(monkeypatch):
+    """While a graph is captured, each dynamic-schedule launch gets its own counter: a slot of the
+    slab an eager call zeroed (no memset in the graph), never one handed out before; an eager
+    call renews the slab once half of it is handed out, keeping the old one alive."""
+    from torch_cute_ops.runtime import attention as rt
+
+    index = 7  # a device no test uses: the slab here is a CPU stand-in
+    slab = torch.zeros(rt.CAPTURE_COUNTERS_PER_SLAB, dtype=torch.int32)
+    monkeypatch.setitem(rt._capture_slabs, index, [slab, 0])
+    slots = [rt._capture_counter(torch.device("cuda", index)) for _ in range(3)]
+    assert [s.data_ptr() for s in slots] == [slab.data_ptr() + 4 * i for i in range(3)]
+    assert all(s.shape == (1,) and s.item() == 0 for s in slots)
+    assert rt._capture_slabs[index][1] == 3
+    monkeypatch.setattr(rt, "_retired_slabs", [])
+    rt._capture_slabs[index][1] = rt.CAPTURE_COUNTERS_PER_SLAB // 2 + 1
+    made = []
+    monkeypatch.setattr(rt.torch, "zeros", lambda *a, **k: made.append(k["device"]) or slab.clone())
+    rt._ready_capture_slab(index)
+    assert made == [torch.device("cuda", index)] and rt._retired_slabs == [slab]
+    assert rt._capture_slabs[index][1] == 0 and rt._capture_slabs[index][0] is not slab
