@@ -58,7 +58,7 @@ from ..common.flash_common import (
     tiled_wgmma,
     transposed_view,
 )
-from ..common.seqlen import SeqBounds, gqa_rows, load_rows, seq_major, store_rows
+from ..common.seqlen import SeqBounds, gqa_rows, load_rows, seq_major, store_rows, zero_rows
 from ..common.mask_args import mask_fakes
 from ..common.split_kv import SplitKvCombine, split_fakes, store_partial
 
@@ -494,7 +494,8 @@ class FlashFwdSm90:
 
     @cute.jit
     def load_q(self, mQ, sQ, tma_q, pipe_q, q_state, m_block, head, batch, bounds: SeqBounds):
-        """The tile's Q slabs: one TMA box each, or (gathered rows) cp.async by the warp's lanes."""
+        """The tile's Q slabs: one TMA box each, or (gathered rows) cp.async of the real rows by
+        the warp's lanes (the consumers zero the others)."""
         pipe_q.producer_acquire(q_state)
         if const_expr(self.gathered_rows):
             lane = cute.arch.lane_idx()
@@ -631,9 +632,14 @@ class FlashFwdSm90:
                 o_scale.fill(1.0)
                 n_min, n_max = keys.n_block_min, keys.n_block_max
                 banded = self.causal or self.local
+                if const_expr(self.gathered_rows):
+                    # the producer gathers only real rows: this WG zeroes the rest of its slab
+                    # (rows the producer leaves alone, so no race with its copies)
+                    zero_rows(sQ[None, None, wg], bounds.seqlen_q - row_start, wg_tidx, 128)
                 pipe_q.consumer_wait(q_state)
                 if const_expr(self.gathered_rows):
-                    cute.arch.fence_view_async_shared()  # the lanes' cp.async writes, seen by WGMMA
+                    cute.arch.fence_view_async_shared()  # the lanes' cp.async writes and the zeros, seen by WGMMA
+                    cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
                 if n_max > n_min:
                     # last key block first: it alone may hold keys past seqlen_k
                     pipe_k.consumer_wait(kv_state)
