@@ -415,6 +415,7 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
+@functools.cache
 def _unused_counter(device_index: int) -> torch.Tensor:
     """What a kernel gets for an int32 tensor it never reads: a static schedule's tile counter,
     a dense variant's cu_seqlens."""
