@@ -368,6 +368,7 @@ _retired_slabs: list[torch.Tensor] = []  # slots of these may still live in capt
 
 
 def _capture_counter(device: torch.device) -> torch.Tensor:
+    """During a capture: the next unused slot of the device's slab."""
     slab = _capture_slabs.get(device.index)
     if slab is None or slab[1] == CAPTURE_COUNTERS_PER_SLAB:  # no eager call made one: a captured memset
         return torch.zeros(1, dtype=torch.int32, device=device)
@@ -409,9 +410,7 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
     counter = _tile_counters.get(key)
     if counter is None:
         counter = _tile_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
-        _ready_capture_slab(device.index)
-    elif 2 * _capture_slabs[device.index][1] > CAPTURE_COUNTERS_PER_SLAB:
-        _ready_capture_slab(device.index)
+    _ready_capture_slab(device.index)
     return counter
 
 

@@ -151,25 +151,33 @@ def gqa_rows_layout(layout: cute.Layout, group: int, head_mode: int) -> cute.Lay
     return cute.make_layout(tuple(shape), stride=tuple(stride))
 
 
+def _row_walk(sX: cute.Tensor, tidx: Int32, num_threads: int):
+    """How ``num_threads`` threads cover an smem tile (rows, cols) in 16-byte chunks, one row
+    after another: (elements per chunk, this thread's chunk columns, its first row, the row step).
+    Each thread keeps its columns and steps over rows, so a loop needs one address per copy."""
+    vec = 128 // sX.element_type.width
+    chunks = cute.size(sX, mode=[1]) // vec
+    threads_per_row = min(chunks, num_threads)
+    first_chunk = tidx % threads_per_row
+    columns = [first_chunk + k * threads_per_row for k in range(chunks // threads_per_row)]
+    return vec, columns, tidx // threads_per_row, num_threads // threads_per_row
+
+
 @cute.jit
 def load_rows(gX: cute.Tensor, sX: cute.Tensor, row_offset: Int32, num_rows: Int32, tidx: Int32,
               num_threads: cutlass.Constexpr[int]):
     """Start copies of rows ``row_offset + [0, rows of sX)`` below ``num_rows`` of gmem (rows, cols)
     into an smem tile, 16 bytes per cp.async (the caller commits and waits, or arrives on an
     mbarrier when they land). Rows at or past ``num_rows`` are not written: the reader fills
-    them (:func:`zero_rows`). Each thread keeps its column chunks and steps over rows, a loop
-    with one address per copy and no unrolled row table (a producer warp has few registers)."""
-    vec = 128 // sX.element_type.width
-    chunks = cute.size(sX, mode=[1]) // vec
-    threads_per_row = min(chunks, num_threads)
+    them (:func:`zero_rows`). A loop over rows, no unrolled row table (a producer warp has few
+    registers)."""
+    vec, columns, first_row, row_step = _row_walk(sX, tidx, num_threads)
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), sX.element_type, num_bits_per_copy=128)
     real_rows = cutlass.min(cute.size(sX, mode=[0]), num_rows - row_offset)
-    first_chunk = tidx % threads_per_row
-    for r in cutlass.range(tidx // threads_per_row, real_rows, num_threads // threads_per_row, unroll=1):
-        for k in cutlass.range_constexpr(chunks // threads_per_row):
-            c = first_chunk + k * threads_per_row
-            cute.copy(atom, cute.local_tile(gX[row_offset + r, None], (vec,), (c,)),
-                      cute.local_tile(sX[r, None], (vec,), (c,)))
+    for r in cutlass.range(first_row, real_rows, row_step, unroll=1):
+        for c in cutlass.range_constexpr(len(columns)):
+            cute.copy(atom, cute.local_tile(gX[row_offset + r, None], (vec,), (columns[c],)),
+                      cute.local_tile(sX[r, None], (vec,), (columns[c],)))
 
 
 @cute.jit
@@ -177,16 +185,12 @@ def zero_rows(sX: cute.Tensor, first_row: Int32, tidx: Int32, num_threads: cutla
     """Zero rows ``[max(first_row, 0), rows)`` of an smem tile (rows, cols) with 16-byte stores:
     the rows :func:`load_rows` leaves unwritten, so that a GEMM over the whole tile reads
     finite values there."""
-    vec = 128 // sX.element_type.width
-    chunks = cute.size(sX, mode=[1]) // vec
-    threads_per_row = min(chunks, num_threads)
+    vec, columns, own_row, row_step = _row_walk(sX, tidx, num_threads)
     zeros = cute.make_rmem_tensor((vec,), sX.element_type)
     zeros.fill(0.0)
-    first_chunk = tidx % threads_per_row
-    start = cutlass.max(first_row, 0) + tidx // threads_per_row
-    for r in cutlass.range(start, cute.size(sX, mode=[0]), num_threads // threads_per_row, unroll=1):
-        for k in cutlass.range_constexpr(chunks // threads_per_row):
-            cute.local_tile(sX[r, None], (vec,), (first_chunk + k * threads_per_row,)).store(zeros.load())
+    for r in cutlass.range(cutlass.max(first_row, 0) + own_row, cute.size(sX, mode=[0]), row_step, unroll=1):
+        for c in cutlass.range_constexpr(len(columns)):
+            cute.local_tile(sX[r, None], (vec,), (columns[c],)).store(zeros.load())
 
 
 @cute.jit
