@@ -4,7 +4,8 @@
 
 Providers on the same data, q (B, S_q, H_q, D): ``tco.flash_attn_func(q, k, v, causal=True)``
 (dense, the cache exactly as long as the keys); ``tco.flash_attn_with_kvcache`` on a contiguous
-cache with ``cache_seqlens`` and on the same cache as shuffled 256-token pages (``page_table``);
+cache with ``cache_seqlens``, on the same cache as shuffled 256-token pages (``page_table``) and
+on a copy in transformers' (B, H_kv, S, D) layout ("heads-major", the kernels' ranged rows);
 ``F.scaled_dot_product_attention`` (default backend, enable_gqa; with S_q > 1 its top-left
 is_causal is not the decode band, so it runs without a mask: an upper bound on its speed);
 FlashAttention-4, when ``flash_attn.cute`` imports, through its own decode path on the same two
@@ -40,13 +41,19 @@ SHAPES = [(8, 4096, 32, 8), (64, 2048, 32, 8), (1, 32768, 32, 8), (64, 4096, 64,
 
 
 def graphed(fn):
-    """``fn`` captured in a CUDA graph (after a warm-up call); returns the replay."""
+    """``fn`` captured in a CUDA graph (after a warm-up call); returns the replay. The replay holds
+    ``fn``, so the tensors it closes over (the graph's inputs) live as long as the replay does: a
+    graph holds device pointers, and replaying one whose inputs were freed reads whatever the
+    allocator put there since."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return graph.replay
+
+    def replay(fn=fn):
+        graph.replay()
+    return replay
 
 
 def load_fa4():
@@ -104,16 +111,21 @@ def main() -> None:
         v_pages = torch.empty_like(k_pages)
         k_pages[table.long().flatten()] = k.reshape(-1, page, h_kv, d)
         v_pages[table.long().flatten()] = v.reshape(-1, page, h_kv, d)
+        # transformers' layout: (B, H_kv, S, D) storage, attended as (B, S, H_kv, D) (ranged rows)
+        k_heads, v_heads = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
         calls = {"tco": lambda: tco.flash_attn_func(q, k, v, causal=True),
                  "kvcache": lambda: tco.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True),
                  "paged": lambda: tco.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths,
                                                               page_table=table, causal=True),
+                 "heads-major": lambda: tco.flash_attn_with_kvcache(q, k_heads, v_heads, cache_seqlens=lengths,
+                                                                    causal=True),
                  "torch": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)}
         if fa4 is not None:
             calls["fa4"] = fa4_kvcache(fa4, q, k, v, lengths, split_kv=fa4_splits)
             calls["fa4 paged"] = fa4_kvcache(fa4, q, k_pages, v_pages, lengths, table, split_kv=fa4_splits)
         graphs = {f"{name} graph": graphed(calls[name])
-                  for name in ("kvcache", "paged", "tco", "fa4", "fa4 paged", "torch") if name in calls}
+                  for name in ("kvcache", "paged", "heads-major", "tco", "fa4", "fa4 paged", "torch")
+                  if name in calls}
         calls |= graphs
         times = {name: [] for name in calls}
         for _ in range(args.rounds):
@@ -128,7 +140,8 @@ def main() -> None:
                   f"clean {ms['torch clean'] / ms['kvcache clean']:.2f}x)"
                   f", paged/kvcache {ms['kvcache'] / ms['paged']:.2f}x (graphs "
                   f"{ms['kvcache graph'] / ms['paged graph']:.2f}x, "
-                  f"clean {ms['kvcache clean'] / ms['paged clean']:.2f}x)")
+                  f"clean {ms['kvcache clean'] / ms['paged clean']:.2f}x)"
+                  f", heads-major/kvcache clean {ms['kvcache clean'] / ms['heads-major clean']:.2f}x")
         if fa4 is not None:
             vs_fa4 = {"kvcache": ms["fa4"] / ms["kvcache"], "paged": ms["fa4 paged"] / ms["paged"],
                       "graphs": ms["fa4 graph"] / ms["kvcache graph"], "clean": ms["fa4 clean"] / ms["kvcache clean"],

@@ -87,6 +87,47 @@ def test_append_then_attend(case):
     _close("lse", lse, ref_lse, 1e-3)
 
 
+# (batch, seqlen_q, heads_q, heads_kv, capacity, causal, window_left, softcap)
+RANGED = [
+    (3, 1, 32, 8, 2048, True, -1, 0.0),
+    (2, 4, 16, 4, 1024, True, -1, 0.0),
+    (2, 1, 32, 8, 16384, True, -1, 0.0),  # split-KV
+    (3, 7, 8, 2, 640, True, 100, 20.0),
+    (2, 1, 8, 8, 512, False, -1, 0.0),
+]
+
+
+@pytest.mark.parametrize("case", RANGED, ids=[f"b{c[0]}-sq{c[1]}-h{c[2]}/{c[3]}-cap{c[4]}-w{c[6]}-cap{c[7]:g}"
+                                              for c in RANGED])
+def test_left_padded_heads_major_cache(case):
+    """transformers' cache layout, (B, H_kv, capacity, D) storage seen as (B, capacity, H_kv, D), with
+    cache_leftpad: each entry attends to keys [leftpad, length + new) on the kernels (ranged rows)."""
+    batch, s_q, h_q, h_kv, cap, causal, left, softcap = case
+    gen = torch.Generator(device="cuda").manual_seed(cap + 7 * s_q)
+    rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).bfloat16()  # noqa: E731
+    k_cache, v_cache = (rand(batch, h_kv, cap, 128).transpose(1, 2) for _ in range(2))
+    q, k, v = rand(batch, s_q, h_q, 128), rand(batch, s_q, h_kv, 128), rand(batch, s_q, h_kv, 128)
+    lengths = [cap - s_q, 300, 1][:batch]
+    starts = [0, 123, 1][:batch]
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    leftpad = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    window = (left, 0 if causal else -1)
+    tco.ops.fallback.reset()
+    out, lse = tco.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                           cache_leftpad=leftpad, causal=causal, window_size=window,
+                                           softcap=softcap, return_lse=True)
+    assert not tco.fallback_counts(), tco.fallback_counts()
+    outs, lses = [], []
+    for b, (start, n) in enumerate(zip(starts, lengths)):
+        assert torch.equal(k_cache[b, n:n + s_q], k[b]), "append"
+        o, l = _reference(q[b:b + 1], k_cache[b:b + 1, start:], v_cache[b:b + 1, start:], [n + s_q - start], causal,
+                          window, softcap)
+        outs.append(o)
+        lses.append(l)
+    _close("out", out, torch.cat(outs))
+    _close("lse", lse, torch.cat(lses), 1e-3)
+
+
 def test_poisoned_outputs_are_written():
     from torch_cute_ops.runtime import attention as flash_host
 
@@ -142,37 +183,29 @@ def test_cuda_graph_decode_step_replays_with_new_lengths():
         _close("replayed out", out, ref_out)
 
 
-def test_captured_steps_take_their_own_zeroed_counters():
-    """Two captured decode steps replayed in turns: each captured launch's tile counter is its own
-    slot of the slab an eager call zeroed (no memset node in the graph), and every replay finds it
-    at zero again; a counter left non-zero would skip tiles (stale outputs, caught below)."""
-    from torch_cute_ops.runtime import attention as rt
+def _decode_step(batch, s_q, cap, page, gen):
+    """(q, cache, lengths, call): a decode step over a random ragged cache, contiguous or paged.
+    The caller keeps q, the cache and the lengths alive as long as a graph captured from the call
+    (a graph holds device pointers, not tensors)."""
+    cache = [torch.randn(batch, cap, 2, 128, device="cuda", generator=gen).bfloat16() for _ in range(2)]
+    lengths = torch.randint(1, cap + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+    q = torch.randn(batch, s_q, 8, 128, device="cuda", generator=gen).bfloat16()
+    kv, table = (cache, None) if page is None else _paged(cache, page, gen)
+    call = (lambda: tco.flash_attn_with_kvcache(q, *kv, cache_seqlens=lengths, page_table=table, causal=True))
+    return q, cache, lengths, call
 
-    gen = torch.Generator(device="cuda").manual_seed(9)
-    steps = []
-    for batch, s_q, cap, page in ((2, 1, 2048, None), (3, 4, 1024, 256)):
-        cache = [torch.randn(batch, cap, 2, 128, device="cuda", generator=gen).bfloat16() for _ in range(2)]
-        lengths = torch.randint(1, cap + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
-        q = torch.empty(batch, s_q, 8, 128, device="cuda", dtype=torch.bfloat16)
-        kv, table = (cache, None) if page is None else _paged(cache, page, gen)
-        call = (lambda q=q, kv=kv, table=table, lengths=lengths:
-                tco.flash_attn_with_kvcache(q, *kv, cache_seqlens=lengths, page_table=table, causal=True))
-        q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
-        call()  # eager warm-up: compiles, and zeroes the slab the captures take counters from
-        steps.append((q, cache, lengths, call))
-    torch.cuda.synchronize()
-    used = rt._capture_slabs[torch.cuda.current_device()][1]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graphs = []
-    for q, cache, lengths, call in steps:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            out = call()
-        graphs.append((graph, out))
+
+def _capture(call, stream):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = call()
     torch.cuda.current_stream().wait_stream(stream)
-    assert rt._capture_slabs[torch.cuda.current_device()][1] == used + 2, "one slab slot per captured launch"
-    for _ in range(2):
+    return graph, out
+
+
+def _replay_in_turns(steps, graphs, gen, rounds=2):
+    """Each graph replayed in turn with a fresh q and a poisoned output, against the reference."""
+    for _ in range(rounds):
         for (q, cache, lengths, _), (graph, out) in zip(steps, graphs):
             q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
             out.fill_(float("nan"))
@@ -180,6 +213,43 @@ def test_captured_steps_take_their_own_zeroed_counters():
             torch.cuda.synchronize()
             ref_out, _ = _reference(q, *cache, lengths.tolist(), True, (-1, 0), 0.0)
             _close("replayed out", out, ref_out)
+
+
+def test_captured_steps_take_their_own_zeroed_counters():
+    """Two captured decode steps replayed in turns: each captured launch's tile counter is its own
+    slot of the slab an eager call zeroed (no memset node in the graph), and every replay finds it
+    at zero again; a counter left non-zero would skip tiles (stale outputs, caught below)."""
+    from torch_cute_ops.runtime import attention as rt
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    steps = [_decode_step(2, 1, 2048, None, gen), _decode_step(3, 4, 1024, 256, gen)]
+    for step in steps:
+        step[-1]()  # eager warm-up: compiles, and zeroes the slab the captures take counters from
+    torch.cuda.synchronize()
+    used = rt._capture_slabs[torch.cuda.current_device()][1]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graphs = [_capture(step[-1], stream) for step in steps]
+    assert rt._capture_slabs[torch.cuda.current_device()][1] == used + 2, "one slab slot per captured launch"
+    _replay_in_turns(steps, graphs, gen)
+
+
+def test_graphs_captured_in_serving_order_replay_in_turns():
+    """A serving loop's order: for each batch size, make its buffers, run the step eagerly, capture
+    it; then replay the graphs in turn. Sizes on both sides of the split-KV and one-warpgroup
+    thresholds, contiguous and paged, one and four query tokens."""
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    stream = torch.cuda.Stream()
+    steps, graphs = [], []
+    for batch, s_q, cap, page in ((8, 1, 4096, None), (8, 1, 2048, None), (1, 1, 16384, 256), (8, 4, 4096, None),
+                                  (5, 1, 512, 64)):
+        step = _decode_step(batch, s_q, cap, page, gen)
+        step[-1]()
+        torch.cuda.synchronize()
+        stream.wait_stream(torch.cuda.current_stream())
+        graphs.append(_capture(step[-1], stream))
+        steps.append(step)
+    _replay_in_turns(steps, graphs, gen, rounds=3)
 
 
 def test_compiled_decode_step_keeps_the_cache_write():
@@ -232,3 +302,43 @@ def test_split_kv_on_a_long_cache(s_q, page, cap, lengths):
     # the dense decode path (flash_attn_func) splits the same way
     dense = tco.flash_attn_func(q[:1], k_cache[:1], v_cache[:1], causal=True)
     _close("dense split", dense, ref_out[:1])
+
+
+def test_reduce_overhead_compile_of_a_decode_step_and_a_masked_call(monkeypatch):
+    """torch.compile(mode="reduce-overhead") warms a function up with the thread's allocations
+    routed to its CUDA graph's pool, then checks that nothing but the outputs lives there: the tile
+    counters, placeholders, page tables and mask summaries the hosts keep across calls are made
+    outside it. A batch size, a stream and a mask the process has not seen make them during the
+    warm-up here; warm-up, recording and replays are checked against the reference."""
+    from torch_cute_ops.ops import attention_kvcache as kvc
+    from torch_cute_ops.runtime import attention as rt
+
+    monkeypatch.setattr(rt, "_tile_counters", {})
+    monkeypatch.setattr(rt, "_summaries", {})
+    kvc._cuda_identity_pages.cache_clear()
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    q, cache, lengths, _ = _decode_step(6, 1, 1024, None, gen)
+    mq = torch.randn(2, 8, 100, 64, device="cuda", generator=gen).bfloat16()
+    mk, mv = (torch.randn(2, 8, 300, 64, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    scores = torch.rand(2, 1, 100, 300, device="cuda", generator=gen)
+    fixed_mask = scores > 0.3
+
+    def step(q, mq):
+        out = tco.flash_attn_with_kvcache(q, *cache, cache_seqlens=lengths, causal=True)
+        made_inside = scores > 0.5  # a graph intermediate: summarised during the capture itself
+        return (out, tco.scaled_dot_product_attention(mq, mk, mv, attn_mask=fixed_mask),
+                tco.scaled_dot_product_attention(mq, mk, mv, attn_mask=made_inside))
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    before = dict(tco.fallback_counts())
+    for _ in range(4):
+        q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
+        mq.copy_(torch.randn(mq.shape, device="cuda", generator=gen))
+        out, *masked = compiled(q, mq)
+        torch.cuda.synchronize()
+        _close("compiled decode step", out, _reference(q, *cache, lengths.tolist(), True, (-1, 0), 0.0)[0])
+        for ours, threshold in zip(masked, (0.3, 0.5)):
+            ref = torch.nn.functional.scaled_dot_product_attention(mq.float(), mk.float(), mv.float(),
+                                                                   attn_mask=scores > threshold)
+            _close(f"compiled masked call ({threshold})", ours, ref)
+    assert dict(tco.fallback_counts()) == before, "both calls ran the kernels"

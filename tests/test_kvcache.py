@@ -35,6 +35,25 @@ def test_int_lengths_and_cache_batch_idx():
         torch.testing.assert_close(out[b], dense[0])
 
 
+def test_leftpad_starts_each_entrys_keys_and_follows_any_cache_strides():
+    """cache_leftpad: entry b attends to keys [leftpad[b], length) (padding stays in the cache), the
+    queries aligned bottom-right to the length; a transposed (B, H_kv, S, D) cache is the same."""
+    q, k_cache, v_cache, k, v = _setup()
+    heads_major = [c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache)]
+    lengths = torch.tensor([3, 7, 28], dtype=torch.int32)
+    leftpad = torch.tensor([0, 4, 9], dtype=torch.int32)
+    outs = [tco.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=lengths, cache_leftpad=leftpad,
+                                        causal=True, window_size=(6, 0))
+            for caches in ((k_cache, v_cache), heads_major)]
+    assert torch.equal(heads_major[0], k_cache), "the append honours the cache's strides"
+    for b, (start, n) in enumerate(zip(leftpad.tolist(), lengths.tolist())):
+        keys = slice(start, n + 2)
+        dense = tco.flash_attn_func(q[b:b + 1], k_cache[b:b + 1, keys], v_cache[b:b + 1, keys], causal=True,
+                                    window_size=(6, 0))
+        for out in outs:
+            torch.testing.assert_close(out[b], dense[0])
+
+
 def test_fake_and_opcheck():
     q, k_cache, v_cache, k, v = _setup()
     lengths = torch.tensor([1, 2, 3], dtype=torch.int32)
@@ -46,6 +65,8 @@ def test_fake_and_opcheck():
     for f, r in zip(fake, real):
         assert (f.shape, f.dtype) == (r.shape, r.dtype)
     torch.library.opcheck(torch.ops.cute.flash_attn_kvcache.default, args)
+    leftpad = torch.tensor([1, 0, 2], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.cute.flash_attn_kvcache.default, args, {"cache_leftpad": leftpad})
 
 
 @pytest.mark.parametrize("change,match", [
@@ -54,6 +75,11 @@ def test_fake_and_opcheck():
     (dict(k=None), "k, v: give both"),
     (dict(cache_batch_idx=torch.tensor([0, 1, 3], dtype=torch.int32)), "cache_batch_idx: entries must index"),
     (dict(k=torch.randn(3, 2, 4, 16, dtype=torch.float64)), "k: expected shape"),
+    (dict(cache_leftpad=torch.tensor([0, 10, 0], dtype=torch.int32)), "cache_leftpad: each entry's first key"),
+    (dict(cache_leftpad=torch.tensor([-1, 0, 0], dtype=torch.int32)), "cache_leftpad: each entry's first key"),
+    (dict(cache_leftpad=torch.tensor([0, 1, 0])), "cache_leftpad: expected an int32 tensor"),
+    (dict(cache_leftpad=torch.zeros(3, dtype=torch.int32), page_table=torch.zeros(3, 1, dtype=torch.int32)),
+     "cache_leftpad: not supported with page_table"),
 ])
 def test_named_errors(change, match):
     q, k_cache, v_cache, k, v = _setup()

@@ -161,6 +161,34 @@ def test_generate_with_a_static_cache_hides_unwritten_slots(kind):
     assert not tco.fallback_counts()
 
 
+def test_generate_with_a_static_cache_and_left_padding_attends_through_the_kvcache_op():
+    """Batched generate with left padding into a static cache: each row's keys are its run of real,
+    written ones (no mask materialized), attended through flash_attn_kvcache with cache_leftpad."""
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ref = build("llama", "sdpa").generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                          cache_implementation="static")
+    tco.ops.fallback.reset()
+    with op_counter() as ran:
+        ours = build("llama", "cute").generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                               cache_implementation="static")
+    assert torch.equal(ours, ref)
+    assert not tco.fallback_counts() and "flash_attn_kvcache" in ran
+
+
+def test_written_keys_hide_unwritten_slots_and_padding():
+    positions = torch.arange(4, 7)  # three queries, the last at position 6
+    assert cute_hf.written_keys(2, positions, 10, 0, None).tolist() == [[True] * 7 + [False] * 3] * 2
+    padding = torch.ones(2, 7, dtype=torch.long)
+    padding[1, :2] = 0
+    keys = cute_hf.written_keys(2, positions, 10, 0, padding)
+    assert keys[0].tolist() == [True] * 7 + [False] * 3
+    assert keys[1].tolist() == [False] * 2 + [True] * 5 + [False] * 3
+    shifted = cute_hf.written_keys(2, positions, 4, 3, padding)  # slots hold positions 3..6
+    assert shifted.tolist() == [[True] * 4, [True] * 4]
+
+
 def test_unwritten_keys_are_told_by_shapes_or_positions():
     positions = torch.arange(4, 7)
     assert cute_hf._unwritten_keys(positions, 10, 0, torch.ones(2, 7))  # static cache, mask given

@@ -21,8 +21,9 @@ collective:
   by batch);
 * everything replicated.
 
-* ``flash_attn_kvcache``: the heads (q, the caches, new k/v; cache_seqlens, cache_batch_idx and
-  page_table replicated), or the batch (contiguous caches without cache_batch_idx). The op
+* ``flash_attn_kvcache``: the heads (q, the caches, new k/v; cache_seqlens, cache_batch_idx,
+  page_table and cache_leftpad replicated), or the batch (contiguous caches without
+  cache_batch_idx; cache_seqlens and cache_leftpad sharded with it). The op
   appends into its caches in place, so a rule is offered only for the placement the caches
   already have: a cache is never redistributed (that would append into a temporary copy), and
   caches placed otherwise are a ValueError rather than a lost append.
@@ -158,7 +159,7 @@ def _flash_attn_varlen_bwd_sharding(*args, **kwargs):
 
 # ----------------------------------------------------------------------------------- kv cache
 # flash_attn_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, scale,
-# causal, window_left, window_right, softcap) -> (out, lse); q / k / v (B, S, H, D), caches
+# causal, window_left, window_right, softcap, cache_leftpad) -> (out, lse); q / k / v (B, S, H, D), caches
 # (B_cache, S_cache, H_kv, D) or paged (pages, page_size, H_kv, D); out (B, S_q, H, D), lse (B, H, S_q)
 
 @register_sharding(cute.flash_attn_kvcache.default)
@@ -173,7 +174,7 @@ def _flash_attn_kvcache_sharding(*args):
         strategies.append(([Shard(2), Shard(1)], _placements(args, heads)))
     indexed = any(_is_tensor(args[i]) for i in (6, 7) if i < len(args))  # cache_batch_idx, page_table
     if all(p == Shard(0) for p in placement) and not indexed:
-        batch = {0: Shard(0), 1: Shard(0), 2: Shard(0), 3: Shard(0), 4: Shard(0), 5: Shard(0)}
+        batch = {0: Shard(0), 1: Shard(0), 2: Shard(0), 3: Shard(0), 4: Shard(0), 5: Shard(0), 13: Shard(0)}
         strategies.append(([Shard(0), Shard(0)], _placements(args, batch)))
     if not strategies or tuple(v_cache.placements) != placement:
         raise ValueError(

@@ -124,7 +124,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             cache_batch_idx: torch.Tensor | None = None,
                             page_table: torch.Tensor | None = None, softmax_scale: float | None = None,
                             causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                            return_lse: bool = False):
+                            return_lse: bool = False, cache_leftpad: torch.Tensor | None = None):
     """Attention against a KV cache, FlashAttention's API (inference: not differentiable).
 
     q is (batch, seqlen_q, heads, head_dim). The cache is (batch_cache, capacity, kv_heads,
@@ -135,6 +135,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``cache_seqlens[b]`` onwards before attending. q then sees each entry's first
     ``cache_seqlens[b] + seqlen_new`` keys (int32 tensor (batch,) or an int; None: the whole
     capacity), with ``causal`` and ``window_size`` aligned bottom-right to them.
+    ``cache_leftpad`` (int32 (batch,), contiguous caches): entry b's keys start at that position
+    (a left-padded batch), not 0. A contiguous cache may have any strides (a transposed
+    (batch, kv_heads, capacity, head_dim) cache, as transformers keeps it, runs on the kernels).
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -144,8 +147,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         length = full - (0 if k is None else k.shape[1]) if cache_seqlens is None else cache_seqlens
         cache_seqlens = torch.full((q.shape[0],), length, dtype=torch.int32, device=q.device)
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, float(softmax_scale), bool(causal),
-            left, right, float(softcap))
-    if dispatcher_free(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table):
+            left, right, float(softcap), cache_leftpad)
+    if dispatcher_free(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad):
         out, lse = _attention_kvcache.flash_attn_kvcache_impl(*args)
     else:
         out, lse = torch.ops.cute.flash_attn_kvcache(*args)

@@ -13,8 +13,10 @@ is padding to honour, else None. The attention function then serves
 * sliding-window layers (Mistral, Qwen2, Gemma 2/3, gpt-oss) with their window, and Gemma 2's
   logit soft-capping, on the same kernels;
 * decode and chunked prefill against a KV cache (S_q < S_k): causal is aligned bottom-right, as
-  the models need; a static (preallocated) cache, whose unwritten slots must stay hidden, gets
-  transformers' materialized mask on the kernels' attn_mask path;
+  the models need; with padding, or a static (preallocated) cache whose unwritten slots must stay
+  hidden, each row's keys are the run of real written ones, given as a 2-D mask and attended
+  through ``flash_attn_with_kvcache`` (its length and ``cache_leftpad``: pack-GQA and split-KV
+  decoding, no mask materialized);
 * padded batches (left or right padding: one run of real tokens per row) on the same kernels,
   each entry bounded by its first and one-past-last real key (``flash_attn_func``'s
   ``key_start``/``key_end``): no mask is materialized, no token is copied, padding costs nothing;
@@ -36,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..functional import flash_attn_func
+from ..functional import flash_attn_func, flash_attn_with_kvcache
 from ..ops import fallback
 from ..sdpa import scaled_dot_product_attention
 
@@ -79,8 +81,8 @@ def _unwritten_keys(cache_position, kv_length: int, kv_offset: int, attention_ma
 
 def cute_mask(batch_size, cache_position, kv_length, kv_offset=0, mask_function=None, attention_mask=None,
               **kwargs):
-    """The 2-D (batch, kv_length) padding mask when some key is padding, else None; a mask with
-    holes (found in eager mode) or a static cache's unwritten slots are materialized (4-D, by
+    """The 2-D (batch, kv_length) mask of real keys when some key is padding or (a static cache)
+    not written yet, else None; a mask with holes (found in eager mode) is materialized (4-D, by
     transformers' SDPA mask) for the kernels' attn_mask path."""
     def materialized():
         from transformers.masking_utils import sdpa_mask
@@ -91,20 +93,44 @@ def cute_mask(batch_size, cache_position, kv_length, kv_offset=0, mask_function=
                          **(kwargs | {"allow_is_causal_skip": False}))
 
     if _unwritten_keys(cache_position, kv_length, kv_offset, attention_mask):
-        return materialized()
+        if attention_mask is not None and not torch.compiler.is_compiling() and _has_holes(attention_mask):
+            return materialized()
+        return written_keys(batch_size, cache_position, kv_length, kv_offset, attention_mask)
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
     if torch.compiler.is_compiling():
         return attention_mask
     real = attention_mask.bool()
-    runs = real[:, :1].sum(1) + (real[:, 1:] & ~real[:, :-1]).sum(1)  # runs of real tokens per row
-    everything, one_run = torch.stack([real.all(), (runs <= 1).all()]).tolist()  # one sync
+    everything, one_run = torch.stack([real.all(), (_runs(real) <= 1).all()]).tolist()  # one sync
     if everything:
         return None
     if not one_run:
         return materialized()
     return attention_mask
+
+
+def _runs(real: torch.Tensor) -> torch.Tensor:
+    """The runs of real tokens in each row of a 2-D bool mask."""
+    return real[:, :1].sum(1) + (real[:, 1:] & ~real[:, :-1]).sum(1)
+
+
+def _has_holes(attention_mask: torch.Tensor) -> bool:
+    """Some row of the 2-D mask has more than one run of real tokens (one sync)."""
+    return bool((_runs(attention_mask.bool()) > 1).any())
+
+
+def written_keys(batch_size: int, cache_position, kv_length: int, kv_offset: int, attention_mask):
+    """bool (batch, kv_length): the cache slots holding a real token so far. Slot ``j`` holds position
+    ``kv_offset + j``; positions past the last query's are not written (a static cache), and the
+    2-D padding mask (one column per position so far) hides padding. Tensor ops only: traceable."""
+    positions = torch.arange(kv_length, device=cache_position.device) + kv_offset
+    real = (positions <= cache_position[-1])[None].expand(batch_size, kv_length)
+    if attention_mask is not None:
+        seen = attention_mask.shape[-1]
+        padding = attention_mask.bool().to(cache_position.device)[:, positions.clamp(max=seen - 1)]
+        real = real & padding & (positions < seen)
+    return real
 
 
 def key_range(padding_mask: torch.Tensor, kv_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,12 +204,17 @@ def cute_attention_forward(module, query, key, value, attention_mask, dropout: f
                                                scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
             return out.transpose(1, 2), None
     if reason is None:
-        bounds = {}
-        if attention_mask is not None:  # a padded batch: each row's run of real keys
-            bounds = dict(zip(("key_start", "key_end"), key_range(attention_mask, key.shape[-2])))
-        out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                              softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap, **bounds)
-        return out, None
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if attention_mask is None:
+            return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window,
+                                   softcap=softcap), None
+        start, end = key_range(attention_mask, key.shape[-2])  # each row's run of real keys
+        if q.shape[1] < k.shape[1] and not (torch.is_grad_enabled() and query.requires_grad):
+            # against a cache: queries end at the row's last real key, wherever the slots end
+            return flash_attn_with_kvcache(q, k, v, cache_seqlens=end, cache_leftpad=start, softmax_scale=scaling,
+                                           causal=causal, window_size=window, softcap=softcap), None
+        return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap,
+                               key_start=start, key_end=end), None
     fallback.note("transformers attention", reason)
     if attention_mask is not None and attention_mask.dim() == 4:  # a custom mask: honour it as given
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask[..., :key.shape[-2]],

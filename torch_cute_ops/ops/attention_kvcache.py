@@ -6,7 +6,14 @@ key j in page ``page_table[b, j // page_size]``. New keys k, v (B, S_new, H_kv, 
 are written into the cache at positions ``cache_seqlens[b] ..`` first (the op mutates k_cache
 and v_cache, declared in its schema, so compiled graphs and CUDA graphs keep the write); then q
 attends to the entry's first ``cache_seqlens[b] + S_new`` keys, causal and windows aligned
-bottom-right to them (q's last row is the newest key). Not differentiable (inference).
+bottom-right to them (q's last row is the newest key). ``cache_leftpad`` (int32, (B,)), with a
+contiguous cache, starts entry b's keys at that position instead of 0 (a left-padded batch: the
+padding stays in the cache, unattended). Not differentiable (inference).
+
+Kernels: a paged cache, or a contiguous one with cache_batch_idx, is read through its page table
+(a contiguous cache is one page per entry); a contiguous cache otherwise as (B, capacity, H_kv, D)
+with any strides (transformers' (B, H_kv, capacity, D) caches, transposed), each entry's keys
+``[cache_leftpad[b], length)`` (the kernels' "ranged" rows).
 
 The contents of cache_seqlens, cache_batch_idx and page_table are checked against the cache in
 eager mode, once per version of those tensors (a read-back: a model's layers share one check per
@@ -15,13 +22,13 @@ step), skipped during CUDA-graph capture and under tracing.
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
 
 from ..reference import attention as reference
 from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
+from ..runtime.lasting import lasting
 from . import checks, dispatch, fallback
 from .attention import _remember, _validate_softcap, validate_qkv_common
 from .schemas import lib, qualname, register_impl
@@ -29,7 +36,7 @@ from .schemas import lib, qualname, register_impl
 _LAYOUT = "(batch, seqlen, heads, head_dim)"
 
 
-def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table) -> None:
+def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad=None) -> None:
     checks.require_rank("q", q, (4,), _LAYOUT)
     validate_qkv_common(q, k_cache, v_cache, _LAYOUT)
     batch = q.shape[0]
@@ -42,7 +49,8 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_ta
             if t.dim() != 4 or tuple(t.shape) != expected:
                 raise ValueError(f"{name}: expected shape {expected} (batch, new tokens, kv heads, head_dim), "
                                  f"got {tuple(t.shape)}")
-    named = [("cache_seqlens", cache_seqlens, (batch,)), ("cache_batch_idx", cache_batch_idx, (batch,))]
+    named = [("cache_seqlens", cache_seqlens, (batch,)), ("cache_batch_idx", cache_batch_idx, (batch,)),
+             ("cache_leftpad", cache_leftpad, (batch,))]
     if page_table is not None:
         named.append(("page_table", page_table, (batch, page_table.shape[-1] if page_table.dim() else 0)))
     for name, t, shape in named:
@@ -50,8 +58,11 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_ta
             raise ValueError(f"{name}: expected an int32 tensor of shape {shape}, got {t.dtype} {tuple(t.shape)}")
     if page_table is not None and cache_batch_idx is not None:
         raise ValueError("cache_batch_idx: not supported with page_table (the page table maps entries)")
+    if page_table is not None and cache_leftpad is not None:
+        raise ValueError("cache_leftpad: not supported with page_table (a paged cache's entries start at key 0)")
     checks.require_same_device([("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens),
-                                ("cache_batch_idx", cache_batch_idx), ("page_table", page_table)])
+                                ("cache_batch_idx", cache_batch_idx), ("page_table", page_table),
+                                ("cache_leftpad", cache_leftpad)])
 
 
 def _capacity(k_cache, page_table) -> int:
@@ -62,9 +73,9 @@ def _capacity(k_cache, page_table) -> int:
 _checked: dict[tuple, tuple] = {}
 
 
-def _check_values(q, k_cache, k, cache_seqlens, cache_batch_idx, page_table) -> None:
+def _check_values(q, k_cache, k, cache_seqlens, cache_batch_idx, page_table, cache_leftpad=None) -> None:
     """The index tensors' contents against the cache (eager only: one read-back per version)."""
-    tensors = [t for t in (cache_seqlens, cache_batch_idx, page_table) if t is not None]
+    tensors = [t for t in (cache_seqlens, cache_batch_idx, page_table, cache_leftpad) if t is not None]
     if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors) or (
             q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
@@ -79,7 +90,14 @@ def _check_values(q, k_cache, k, cache_seqlens, cache_batch_idx, page_table) -> 
         bounds.append((cache_batch_idx.min(), cache_batch_idx.max()))
     if page_table is not None and page_table.numel():
         bounds.append((page_table.min(), page_table.max()))
+    if cache_leftpad is not None:
+        bounds.append((cache_leftpad.min(), (cache_leftpad - cache_seqlens).max() - new))
     values = torch.stack([torch.stack(pair) for pair in bounds]).tolist()
+    if cache_leftpad is not None:
+        low, past_end = values.pop()
+        if low < 0 or past_end > 0:
+            raise ValueError(f"cache_leftpad: each entry's first key must lie in [0, its length] (cache_seqlens "
+                             f"plus {new} new tokens); got a start {-low if low < 0 else past_end} keys outside")
     capacity = _capacity(k_cache, page_table)
     if values[0][0] < 0 or values[0][1] > capacity:
         raise ValueError(f"cache_seqlens: with {new} new tokens the lengths reach {values[0][1]}, past the "
@@ -109,14 +127,16 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table) 
 
 
 def _reference(q, k_cache, v_cache, key_lengths, page_table, softmax_scale, causal, window_left, window_right,
-               softcap):
-    """Each entry's keys gathered through its page table, then the dense reference."""
+               softcap, key_start=None):
+    """Each entry's keys [key_start[b], key_lengths[b]) gathered through its page table, then the
+    dense reference."""
     page_size = k_cache.shape[1]
     flat_k = k_cache.reshape(-1, *k_cache.shape[2:])
     flat_v = v_cache.reshape(-1, *v_cache.shape[2:])
+    starts = [0] * q.shape[0] if key_start is None else key_start.tolist()
     outs, lses = [], []
-    for b, length in enumerate(key_lengths.tolist()):
-        keys = torch.arange(length, device=q.device)
+    for b, (start, length) in enumerate(zip(starts, key_lengths.tolist())):
+        keys = torch.arange(start, max(length, start), device=q.device)
         rows = page_table[b].long()[keys // page_size] * page_size + keys % page_size
         out, lse = reference.flash_attn_fwd(q[b:b + 1], flat_k[rows][None], flat_v[rows][None], softmax_scale,
                                             causal, window_left, window_right, softcap)
@@ -125,10 +145,22 @@ def _reference(q, k_cache, v_cache, key_lengths, page_table, softmax_scale, caus
     return torch.cat(outs), torch.cat(lses)
 
 
-@functools.lru_cache(maxsize=64)
-def _identity_pages(batch: int, device: torch.device) -> torch.Tensor:
-    """Entry b's one page is cache row b (made once per batch size and device)."""
-    return torch.arange(batch, device=device, dtype=torch.int32)[:, None]
+@lasting
+def _zero_starts(device_index: int, batch: int) -> torch.Tensor:
+    """Every entry's keys start at 0 (the ranged rows' key_start without cache_leftpad)."""
+    return torch.zeros(batch, dtype=torch.int32, device=torch.device("cuda", device_index))
+
+
+def _identity_pages(device: torch.device, batch: int) -> torch.Tensor:
+    """Entry b's one page is cache row b (on CUDA, made once per device and batch size)."""
+    if device.type != "cuda":
+        return torch.arange(batch, device=device, dtype=torch.int32)[:, None]
+    return _cuda_identity_pages(device.index, batch)
+
+
+@lasting
+def _cuda_identity_pages(device_index: int, batch: int) -> torch.Tensor:
+    return torch.arange(batch, device=torch.device("cuda", device_index), dtype=torch.int32)[:, None]
 
 
 def _outputs_like(q):
@@ -140,55 +172,81 @@ def _outputs_like(q):
 _plans: dict[tuple, object] = {}
 
 
-def _make_plan(key, q, k_cache, v_cache, page_table, causal, local, softcap):
+def _mergeable(cache) -> bool:
+    """The cache's first two dims merge into rows of a (pages * page_size) view."""
+    return cache.stride(0) == cache.shape[1] * cache.stride(1)
+
+
+def _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_leftpad, causal, local, softcap):
+    """("ranged" or "paged", launch), a reason no kernel covers the call, or None (nothing to do)."""
     _validate_softcap(softcap)
     plan = "cpu"
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_kvcache", q.device)
+        ranged = page_table is None and cache_batch_idx is None and (
+            cache_leftpad is not None or not (_mergeable(k_cache) and _mergeable(v_cache)))
         if isinstance(host, str):
             plan = host
-        elif any(cache.stride(0) != cache.shape[1] * cache.stride(1) for cache in (k_cache, v_cache)):
-            plan = "k_cache/v_cache: the first two dims must be mergeable (rows of a (pages * page_size) view)"
+        elif ranged:
+            plan = host.plan_fwd(q, k_cache, v_cache, causal, local=local, softcap=softcap, rows="ranged")
+        elif cache_leftpad is not None:
+            plan = "cache_leftpad: with cache_batch_idx only on the reference path"
+        elif not (_mergeable(k_cache) and _mergeable(v_cache)):
+            plan = ("k_cache/v_cache: the first two dims must be mergeable (rows of a (pages * page_size) view) "
+                    "with page_table or cache_batch_idx")
         else:
             config = host.kvcache_config(q.shape[-1], None if page_table is None else k_cache.shape[1])
             rows_view = k_cache.reshape(1, -1, *k_cache.shape[2:])
             plan = config if isinstance(config, str) else host.plan_fwd(
                 q, rows_view, rows_view, causal, config, local=local, softcap=softcap, rows="kvcache",
                 keys_per_entry=_capacity(k_cache, page_table))
+        if plan is not None and not isinstance(plan, str):
+            plan = ("ranged" if ranged else "paged", plan)
     return _remember(_plans, key, plan)
 
 
 def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                            causal, window_left=None, window_right=None, softcap=0.0):
+                            causal, window_left=None, window_right=None, softcap=0.0, cache_leftpad=None):
     capacity = _capacity(k_cache, page_table)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], capacity)
     key = tuple((t.shape, t.stride(), t.dtype, t.device) if t is not None else None
-                for t in (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table))
+                for t in (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad))
     key += (band_causal, local, softcap_kind(softcap, q.dtype))
     plan = _plans.get(key, False)
     if plan is False:
-        _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)
-        plan = _make_plan(key, q, k_cache, v_cache, page_table, band_causal, local, softcap)
-    _check_values(q, k_cache, k, cache_seqlens, cache_batch_idx, page_table)
+        _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
+        plan = _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_leftpad, band_causal, local,
+                          softcap)
+    _check_values(q, k_cache, k, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
     if k is not None:
         _append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)
     key_lengths = cache_seqlens if k is None else cache_seqlens + k.shape[1]
-    if page_table is None:  # a contiguous cache: one page (of the whole capacity) per entry
-        page_table = _identity_pages(q.shape[0], q.device) if cache_batch_idx is None else cache_batch_idx[:, None]
     if plan is None:
         return _outputs_like(q)
     if not isinstance(plan, str):
         reason = pointer_reason(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
         if reason is None:
+            rows, launch = plan
             out, lse = _outputs_like(q)
-            plan.kvcache(q, k_cache, v_cache, key_lengths, page_table, k_cache.shape[1], out, lse, softmax_scale,
-                         left, right, softcap)
+            if rows == "ranged":
+                key_start = _zero_starts(q.device.index, q.shape[0]) if cache_leftpad is None else cache_leftpad
+                launch.ranged(q, k_cache, v_cache, key_start, key_lengths, out, lse, softmax_scale, left, right,
+                              softcap)
+            else:
+                table = page_table
+                if table is None:  # a contiguous cache: one page (of the whole capacity) per entry
+                    table = (_identity_pages(q.device, q.shape[0]) if cache_batch_idx is None
+                             else cache_batch_idx[:, None])
+                launch.kvcache(q, k_cache, v_cache, key_lengths, table, k_cache.shape[1], out, lse, softmax_scale,
+                               left, right, softcap)
             return out, lse
         plan = reason
     if plan != "cpu":
         fallback.note("flash_attn_kvcache", plan)
+    if page_table is None:
+        page_table = _identity_pages(q.device, q.shape[0]) if cache_batch_idx is None else cache_batch_idx[:, None]
     return _reference(q, k_cache, v_cache, key_lengths, page_table, softmax_scale, causal, window_left,
-                      window_right, softcap)
+                      window_right, softcap, cache_leftpad)
 
 
 register_impl("flash_attn_kvcache", flash_attn_kvcache_impl)
@@ -196,7 +254,7 @@ register_impl("flash_attn_kvcache", flash_attn_kvcache_impl)
 
 @torch.library.register_fake(qualname("flash_attn_kvcache"), lib=lib)
 def _flash_attn_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                             causal, window_left=None, window_right=None, softcap=0.0):
-    _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)
+                             causal, window_left=None, window_right=None, softcap=0.0, cache_leftpad=None):
+    _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
     _validate_softcap(softcap)
     return _outputs_like(q)

@@ -33,7 +33,7 @@ SCHEMAS = {
     "flash_attn_kvcache": "flash_attn_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, "
                           "Tensor? v, Tensor cache_seqlens, Tensor? cache_batch_idx, Tensor? page_table, "
                           "float softmax_scale, bool causal, SymInt? window_left=None, SymInt? window_right=None, "
-                          "float softcap=0.0) -> (Tensor out, Tensor lse)",
+                          "float softcap=0.0, Tensor? cache_leftpad=None) -> (Tensor out, Tensor lse)",
     "scaled_gemm": "scaled_gemm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias=None, "
                    "ScalarType? out_dtype=None, str? activation=None) -> Tensor",
 }

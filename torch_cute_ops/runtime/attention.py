@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import get_compiled
+from .lasting import capturing, lasting, outside_graph_pools
 from .spec import KernelSpec
 from .tma import TMA_ALIGN_BYTES, tma_reason
 
@@ -276,7 +277,7 @@ def mask_bits(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int
     rows = -(-seqlen_q // tile_m) * tile_m
     keys = -(-(-(-seqlen_k // tile_n) * tile_n) // 128) * 128
     padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, keys - seqlen_k, 0, rows - seqlen_q))
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=mask.device)
+    weights = torch.bitwise_left_shift(1, torch.arange(8, device=mask.device)).to(torch.uint8)  # no copy: capturable
     packed = (padded.view(*padded.shape[:-1], keys // 8, 8) * weights).sum(dim=-1, dtype=torch.uint8)
     return packed.view(torch.int32)
 
@@ -301,20 +302,32 @@ def live_ranges(blocks: torch.Tensor) -> torch.Tensor:
     return torch.stack([start, end], dim=-1).to(torch.int32)
 
 
-# (id(mask), key) -> (weak reference, version, summaries): transformers hands every layer the same
-# mask tensor, and the backward gets the forward's (the forward's and backward's summaries differ)
-_summaries: dict[tuple, tuple] = {}
+# id(mask) -> (weak reference, {key: (version, summary)}): transformers hands every layer the same
+# mask tensor, and the backward gets the forward's (the forward's and backward's summaries differ).
+# An entry goes with its mask; summaries are made outside CUDA graphs' memory pools (runtime.lasting).
+_summaries: dict[int, tuple] = {}
+
+
+def _forget_summaries(mask_id: int, ref: weakref.ref) -> None:
+    if _summaries.get(mask_id, (None,))[0] is ref:
+        del _summaries[mask_id]
 
 
 def mask_summary(attn_mask: torch.Tensor, key: tuple, make):
-    """``make()``'s summary of this mask, computed once per mask tensor, version and ``key``."""
-    entry = _summaries.get((id(attn_mask), key))
-    if entry is not None and entry[0]() is attn_mask and entry[1] == attn_mask._version:
-        return entry[2]
-    summary = make()
-    if len(_summaries) >= 64:
-        _summaries.clear()
-    _summaries[(id(attn_mask), key)] = (weakref.ref(attn_mask), attn_mask._version, summary)
+    """``make()``'s summary of this mask, computed once per mask tensor, version and ``key`` (not
+    kept when made during a CUDA graph capture: its contents exist only after a replay)."""
+    entry = _summaries.get(id(attn_mask))
+    if entry is not None and entry[0]() is attn_mask:
+        found = entry[1].get(key)
+        if found is not None and found[0] == attn_mask._version:
+            return found[1]
+    if capturing():
+        return make()
+    summary = outside_graph_pools(attn_mask.device, make)
+    if entry is None or entry[0]() is not attn_mask:
+        ref = weakref.ref(attn_mask, functools.partial(_forget_summaries, id(attn_mask)))
+        entry = _summaries[id(attn_mask)] = (ref, {})
+    entry[1][key] = (attn_mask._version, summary)
     return summary
 
 
@@ -324,7 +337,7 @@ def _kernel_mask(attn_mask, batch: int, heads: int, seqlen_q: int, seqlen_k: int
     return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
 
 
-@functools.cache
+@lasting
 def _split_placeholders(device_index: int, head_dim: int) -> tuple:
     """What an unsplit forward gets for the split-KV partials it never reads."""
     device = torch.device("cuda", device_index)
@@ -347,7 +360,7 @@ def num_splits_for(tiles: int, key_blocks: int, sms: int) -> int:
     return max(1, min(sms // tiles, key_blocks // MIN_BLOCKS_PER_SPLIT, 32))
 
 
-@functools.cache
+@lasting
 def _mask_placeholders(device_index: int) -> tuple:
     """What an unmasked variant gets for the (mask, blocks, ranges) it never reads."""
     device = torch.device("cuda", device_index)
@@ -383,7 +396,9 @@ def _ready_capture_slab(device_index: int) -> None:
         if slab is not None:
             _retired_slabs.append(slab[0])
         device = torch.device("cuda", device_index)
-        _capture_slabs[device_index] = [torch.zeros(CAPTURE_COUNTERS_PER_SLAB, dtype=torch.int32, device=device), 0]
+        slab = outside_graph_pools(device, lambda: torch.zeros(CAPTURE_COUNTERS_PER_SLAB, dtype=torch.int32,
+                                                               device=device))
+        _capture_slabs[device_index] = [slab, 0]
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
@@ -409,12 +424,13 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
     key = (device.index, _current_raw_stream(device.index))
     counter = _tile_counters.get(key)
     if counter is None:
-        counter = _tile_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        counter = _tile_counters[key] = outside_graph_pools(
+            device, lambda: torch.zeros(1, dtype=torch.int32, device=device))
     _ready_capture_slab(device.index)
     return counter
 
 
-@functools.cache
+@lasting
 def _unused_counter(device_index: int) -> torch.Tensor:
     """What a kernel gets for an int32 tensor it never reads: a static schedule's tile counter,
     a dense variant's cu_seqlens."""
@@ -460,8 +476,10 @@ def _one_warpgroup_decode(config: FwdConfig, head_dim: int, elem_bytes: int) -> 
     return dataclasses.replace(config, num_wg=1, pingpong=False, num_stages=stages)
 
 
-# pack-GQA serves decode with up to this many query tokens (speculative decoding)
+# pack-GQA serves decode with up to this many query tokens (speculative decoding), in the row
+# layouts whose queries are all real (kernels.common.seqlen); split-KV serves the same layouts
 PACK_GQA_MAX_QUERIES = 16
+DECODE_ROWS = ("dense", "ranged", "kvcache")
 
 
 class FlashFwdLaunch:
@@ -558,6 +576,17 @@ class FlashFwdLaunch:
                 page_size, *_mask_placeholders(self.device_index), softmax_scale, window_left, window_right,
                 softcap, self.grid, *self._split_args(q))
 
+    def ranged(self, q, k, v, key_start, key_end, out, lse, softmax_scale: float, window_left: int = 0,
+               window_right: int = 0, softcap: float = 0.0) -> None:
+        """q (B, S_q, H_q, D), all real, against entry b's keys [key_start[b], key_end[b]) of k, v
+        (B, S_k, H_kv, D) (int32, B), aligned bottom-right to key_end; the plan's variant is ranged."""
+        if self._attends_to_nothing(out, lse):
+            return
+        q, out, lse = self._gqa_rows(q, out, lse)
+        counter = _tile_counter(q.device)
+        self.fn(q, k, v, out, lse, counter, key_start, key_end, 0, 0, *_mask_placeholders(self.device_index),
+                softmax_scale, window_left, window_right, softcap, self.grid, *self._split_args(q))
+
     def packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, out, lse,
                softmax_scale: float, window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
         """Varlen: q, k, v, out (total, H, D), lse (H, total_q); the plan's variant is packed."""
@@ -627,7 +656,7 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     # tiles; one token sees every key (no band), several see the causal band per token
     dense = rows == "dense"
     unmasked = attn_mask == "none"
-    group = (q.shape[2] // k.shape[2] if q.shape[1] <= PACK_GQA_MAX_QUERIES and rows in ("dense", "kvcache")
+    group = (q.shape[2] // k.shape[2] if q.shape[1] <= PACK_GQA_MAX_QUERIES and rows in DECODE_ROWS
              and unmasked and not local and k.shape[2] < q.shape[2] else 0)
     rows_per_query = group if group and q.shape[1] > 1 else 1
     causal = causal and (not group or q.shape[1] > 1)
@@ -637,7 +666,7 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     if attn_mask == "bool" and config.tile_n % 32:  # bit-packed: whole 32-key words per key block
         config = dataclasses.replace(config, tile_n=config.tile_n // 32 * 32)
     splits = 1
-    if rows in ("dense", "kvcache") and unmasked:
+    if rows in DECODE_ROWS and unmasked:
         tile_rows, tile_heads = (group * q.shape[1], k.shape[2]) if group else (q.shape[1], q.shape[2])
         tiles = -(-tile_rows // config.tile_m) * tile_heads * q.shape[0]
         key_blocks = -(-(keys_per_entry or k.shape[1]) // config.tile_n)

@@ -12,6 +12,9 @@ coordinate tensors or plain gmem) and per-query statistics as (S, H, B). The row
   ``[info_q[b], info_k[b])`` (a padded batch, left or right); its queries are aligned with the
   keys bottom-right (query ``i`` sits at key position ``i + S_k - S_q``), so the real query rows
   are those whose position falls in that range;
+* ``"ranged"``: dense queries (B, S_q, H, D), all real, against (B, S_k, H, D) keys of which entry
+  ``b`` attends to ``[info_q[b], info_k[b])``, the queries aligned bottom-right to the range's end
+  (a contiguous KV cache: a left-padded entry's first real key, its length so far);
 * ``"kvcache"``: dense queries (B, S_q, H, D), all real, against a KV cache of pages: k and v are
   (1, pages * page_size, H, D), ``info_q`` the page table flattened (B * pages_per_entry) and
   ``info_k`` the key lengths (B,); entry ``b``'s key ``j`` is row ``page_table[b, j // page_size]
@@ -41,7 +44,7 @@ from cutlass.cute.nvgpu import cpasync
 from .flash_common import DslState
 
 
-ROW_LAYOUTS = ("dense", "packed", "padded", "kvcache")
+ROW_LAYOUTS = ("dense", "packed", "padded", "ranged", "kvcache")
 
 
 def seq_major(m: cute.Tensor) -> cute.Tensor:
@@ -73,6 +76,11 @@ class SeqBounds(DslState):
             self.offset_k = info_k[batch]
             self.seqlen_k = info_k[batch + 1] - self.offset_k
             self.padded_offset_q = (self.offset_q + batch * pad) // pad * pad
+        elif const_expr(rows == "ranged"):
+            self.offset_q, self.padded_offset_q = Int32(0), Int32(0)
+            self.seqlen_q = Int32(seqlen_q)
+            self.offset_k = info_q[batch]
+            self.seqlen_k = info_k[batch] - self.offset_k
         elif const_expr(rows == "padded"):
             self.offset_k = info_q[batch]
             self.seqlen_k = info_k[batch] - self.offset_k

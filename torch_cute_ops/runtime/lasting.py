@@ -1,0 +1,79 @@
+"""Device tensors that outlive the call that makes them (tile counters, placeholders, index tables,
+mask summaries), made where no CUDA graph's memory pool can claim them.
+
+While a CUDA graph is captured, and while torch.compile's CUDA graphs ("reduce-overhead") warm up a
+compiled function, torch routes every allocation of the calling thread to the graph's private pool.
+A tensor a kernel host keeps across calls must not land there: torch.compile checks after the
+warm-up that nothing but the function's outputs lives in its pool, and fails the call; and a
+tensor made during a capture holds what the captured kernels write only after a replay, so an
+eager call that found it cached would read garbage. :func:`outside_graph_pools` makes such tensors
+on a helper thread (its allocations go to the ordinary pool) on a side stream ordered after the
+caller's stream, and waits for them. During a capture it is not used: callers make a per-call
+tensor that the graph owns and do not cache it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+_helper: concurrent.futures.ThreadPoolExecutor | None = None
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def capturing() -> bool:
+    """A CUDA graph capture is under way on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def outside_graph_pools(device: torch.device, make: Callable[[], T]) -> T:
+    """``make()``'s tensors, allocated in the ordinary pool of ``device`` and complete when this
+    returns (made on a side stream that first waits for the caller's current stream). Not for use
+    during a capture (see the module's note); off CUDA it is ``make()``."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return make()
+    global _helper
+    if _helper is None:
+        _helper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-cute-ops-lasting")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    caller = torch.cuda.current_stream(index)
+
+    def job():
+        with torch.cuda.device(index), torch.no_grad():
+            side = _side_streams.get(index)
+            if side is None:
+                side = _side_streams[index] = torch.cuda.Stream(index)
+            side.wait_stream(caller)  # inputs the caller's stream is still writing (a mask)
+            with torch.cuda.stream(side):
+                made = make()
+            side.synchronize()
+        for t in made if isinstance(made, tuple) else (made,):
+            if isinstance(t, torch.Tensor):
+                t.record_stream(caller)  # freed (an evicted summary): reused after the caller's reads
+        return made
+
+    return _helper.submit(job).result()
+
+
+def lasting(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn(device_index, *key)``, made once per arguments by :func:`outside_graph_pools` and kept;
+    during a capture, an uncached call (the graph owns what it makes) unless already kept."""
+    made: dict[tuple, T] = {}
+
+    @functools.wraps(fn)
+    def get(device_index: int, *key):
+        found = made.get((device_index, *key))
+        if found is None:
+            if capturing():
+                return fn(device_index, *key)
+            found = made[(device_index, *key)] = outside_graph_pools(
+                torch.device("cuda", device_index), lambda: fn(device_index, *key))
+        return found
+
+    get.cache_clear = made.clear
+    return get
