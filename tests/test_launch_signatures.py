@@ -167,5 +167,7 @@ def test_ranged_launches(launches):
     specs = [spec for spec, _ in launches]
     assert [spec["rows"] for spec in specs] == ["ranged"] * 3
     assert [spec.get("split_kv", False) for spec in specs] == [False, False, True]
+    shipped = flash_host.shipped("sm_90a")
+    assert specs[0] in shipped and specs[2] in shipped, "one-token decode over transformers' caches ships"
     for spec, args in launches:
         _check_agreement(spec, args)

@@ -179,7 +179,8 @@ def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", loca
 
 def shipped(arch: str) -> list[KernelSpec]:
     """Forward: bf16 at the common head dims, padded batches, KV-cache and split-KV decode at
-    D128; backward: bf16 and fp16 at D64/D128. Other variants compile on first use."""
+    D128, transformers' caches (prefill and decode); backward: bf16 and fp16 at D64/D128. Other
+    variants compile on first use."""
     if arch != "sm_90a":
         return []
     fwd = [fwd_spec("bf16", h, c) for h in (64, 128, 256) for c in (False, True)]
@@ -191,6 +192,12 @@ def shipped(arch: str) -> list[KernelSpec]:
     fwd.append(fwd_spec("bf16", 128, True, rows="padded"))
     fwd += [fwd_spec("bf16", 128, False, rows="kvcache", split_kv=split) for split in (False, True)]
     fwd.append(fwd_spec("bf16", 128, False, split_kv=True))
+    # transformers' caches (ranged rows): the prompt against a static cache, and one-token decode
+    # (pack-GQA) on one warpgroup (short caches) or two, whole or split
+    fwd.append(fwd_spec("bf16", 128, True, rows="ranged"))
+    decode = config_for(128, False, ragged=True)
+    fwd += [fwd_spec("bf16", 128, False, config, rows="ranged", split_kv=split)
+            for config in (decode, _one_warpgroup_decode(decode, 128, 2)) for split in (False, True)]
     bwd = [bwd_spec(d, h, c) for d in ("bf16", "fp16") for h in (64, 128) for c in (False, True)]
     bwd += [bwd_spec("bf16", h, False, local=True) for h in (64, 128)]
     bwd.append(bwd_spec("bf16", 128, True, rows="padded"))
