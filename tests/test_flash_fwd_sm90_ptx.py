@@ -90,13 +90,17 @@ def test_shipped_variants():
     from torch_cute_ops.runtime import shipped_specs
 
     specs = shipped_specs("sm_90a", "flash_fwd_sm90")
-    assert flash_host.fwd_spec("bf16", 128, True) in specs and len(specs) <= 16  # a bounded prebuilt set
+    assert flash_host.fwd_spec("bf16", 128, True) in specs and len(specs) <= 24  # a bounded prebuilt set
     assert flash_host.fwd_spec("bf16", 128, False, local=True) in specs  # sliding windows
     assert flash_host.fwd_spec("bf16", 128, True, rows="padded") in specs  # padded batches
     # what decode plans ask for: a contiguous KV cache (pack-GQA: not causal), split or not
     decode = flash_host.kvcache_config(128, None)
     for split in (False, True):
         assert flash_host.fwd_spec("bf16", 128, False, decode, rows="kvcache", split_kv=split) in specs
+    # transformers' caches (ranged rows): the prompt against a static cache, one-token decode
+    assert flash_host.fwd_spec("bf16", 128, True, rows="ranged") in specs
+    ranged = flash_host.config_for(128, False, ragged=True)
+    assert flash_host.fwd_spec("bf16", 128, False, ranged, rows="ranged", split_kv=True) in specs
     assert shipped_specs("sm_100a", "flash_fwd_sm90") == []
     for head_dim in flash_host.HEAD_DIMS:
         cfg = flash_host.config_for(head_dim, False)
