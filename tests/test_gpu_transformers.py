@@ -143,3 +143,24 @@ def test_batched_generate_with_left_padding_runs_on_the_kernels():
         ref = reference.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     assert torch.equal(ours[:, :46], ref[:, :46])
     assert not tco.fallback_counts()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2"])
+def test_static_cache_generate_with_left_padding_runs_on_the_kernels(kind):
+    """A preallocated cache (unwritten slots) and a left-padded batch: prefill and decode attend to
+    each row's written, real keys on the kernels (no materialized mask), as sdpa does."""
+    model = build(kind, "cute").eval()
+    reference = build(kind, "sdpa").eval()
+    ids = ids_batch(4, bsz=2, seqlen=40)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    tco.ops.fallback.reset()
+    with torch.no_grad():
+        ran = kernels_run(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                                 cache_implementation="static"))
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              cache_implementation="static")
+        ref = reference.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                 cache_implementation="static")
+    assert torch.equal(ours[:, :46], ref[:, :46])
+    assert ran == {"flash_fwd"} and not tco.fallback_counts(), (ran, tco.fallback_counts())

@@ -161,18 +161,20 @@ def test_generate_with_a_static_cache_hides_unwritten_slots(kind):
     assert not tco.fallback_counts()
 
 
-def test_generate_with_a_static_cache_and_left_padding_attends_through_the_kvcache_op():
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2"])
+def test_generate_with_a_static_cache_and_left_padding_attends_through_the_kvcache_op(kind):
     """Batched generate with left padding into a static cache: each row's keys are its run of real,
-    written ones (no mask materialized), attended through flash_attn_kvcache with cache_leftpad."""
+    written ones (no mask materialized), attended through flash_attn_kvcache with cache_leftpad
+    (windows and Gemma 2's softcap included)."""
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
-    ref = build("llama", "sdpa").generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
-                                          cache_implementation="static")
+    ref = build(kind, "sdpa").generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                       cache_implementation="static")
     tco.ops.fallback.reset()
     with op_counter() as ran:
-        ours = build("llama", "cute").generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
-                                               cache_implementation="static")
+        ours = build(kind, "cute").generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                            cache_implementation="static")
     assert torch.equal(ours, ref)
     assert not tco.fallback_counts() and "flash_attn_kvcache" in ran
 
