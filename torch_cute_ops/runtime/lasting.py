@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import threading
 from typing import Callable, TypeVar
 
 import torch
@@ -23,6 +24,7 @@ import torch
 T = TypeVar("T")
 
 _helper: concurrent.futures.ThreadPoolExecutor | None = None
+_helper_thread: threading.Thread | None = None
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -35,8 +37,8 @@ def outside_graph_pools(device: torch.device, make: Callable[[], T]) -> T:
     """``make()``'s tensors, allocated in the ordinary pool of ``device`` and complete when this
     returns (made on a side stream that first waits for the caller's current stream). Not for use
     during a capture (see the module's note); off CUDA it is ``make()``."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return make()
+    if device.type != "cuda" or not torch.cuda.is_available() or threading.current_thread() is _helper_thread:
+        return make()  # off CUDA, or already on the helper (a nested make)
     global _helper
     if _helper is None:
         _helper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-cute-ops-lasting")
@@ -44,6 +46,8 @@ def outside_graph_pools(device: torch.device, make: Callable[[], T]) -> T:
     caller = torch.cuda.current_stream(index)
 
     def job():
+        global _helper_thread
+        _helper_thread = threading.current_thread()
         with torch.cuda.device(index), torch.no_grad():
             side = _side_streams.get(index)
             if side is None:
