@@ -179,6 +179,24 @@ def test_generate_with_a_static_cache_and_left_padding_attends_through_the_kvcac
     assert not tco.fallback_counts() and "flash_attn_kvcache" in ran
 
 
+def test_layers_share_one_key_range_per_mask(monkeypatch):
+    """Every layer gets the same mask tensor: its key ranges are computed once (and the kvcache op
+    checks their values once per forward), again after the mask changes, gone with the mask."""
+    import gc
+
+    monkeypatch.setattr(cute_hf, "_key_ranges", {})
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    first = cute_hf.shared_key_range(mask, 6)
+    assert cute_hf.shared_key_range(mask, 6) is first
+    assert first[0].tolist() == [2, 0] and first[1].tolist() == [6, 6]
+    mask[1, :3] = 0
+    assert cute_hf.shared_key_range(mask, 6)[0].tolist() == [2, 3]
+    del mask
+    gc.collect()
+    assert cute_hf._key_ranges == {}
+
+
 def test_written_keys_hide_unwritten_slots_and_padding():
     positions = torch.arange(4, 7)  # three queries, the last at position 6
     assert cute_hf.written_keys(2, positions, 10, 0, None).tolist() == [[True] * 7 + [False] * 3] * 2

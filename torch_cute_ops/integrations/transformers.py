@@ -35,6 +35,9 @@ and collators do).
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -142,6 +145,30 @@ def key_range(padding_mask: torch.Tensor, kv_length: int) -> tuple[torch.Tensor,
     return start, start + count
 
 
+# id(mask) -> (weak reference, version, kv_length, (start, end)): the layers of a forward share
+# one mask tensor, so they share its key ranges, and the kvcache op's eager check of their values
+# (a read-back) runs once per forward instead of once per layer
+_key_ranges: dict[int, tuple] = {}
+
+
+def _forget_key_range(mask_id: int, ref) -> None:
+    if _key_ranges.get(mask_id, (None,))[0] is ref:
+        del _key_ranges[mask_id]
+
+
+def shared_key_range(padding_mask: torch.Tensor, kv_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`key_range`, computed once per mask tensor, version and kv_length (eager)."""
+    if torch.compiler.is_compiling():
+        return key_range(padding_mask, kv_length)
+    entry = _key_ranges.get(id(padding_mask))
+    if entry is not None and entry[0]() is padding_mask and entry[1:3] == (padding_mask._version, kv_length):
+        return entry[3]
+    ranges = key_range(padding_mask, kv_length)
+    ref = weakref.ref(padding_mask, functools.partial(_forget_key_range, id(padding_mask)))
+    _key_ranges[id(padding_mask)] = (ref, padding_mask._version, kv_length, ranges)
+    return ranges
+
+
 def _window(sliding_window, causal: bool) -> tuple[int, int]:
     """transformers' sliding window W (a query sees itself and the W - 1 keys before it) as
     FlashAttention's (left, right)."""
@@ -208,7 +235,7 @@ def cute_attention_forward(module, query, key, value, attention_mask, dropout: f
         if attention_mask is None:
             return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window,
                                    softcap=softcap), None
-        start, end = key_range(attention_mask, key.shape[-2])  # each row's run of real keys
+        start, end = shared_key_range(attention_mask, key.shape[-2])  # each row's run of real keys
         if q.shape[1] < k.shape[1] and not (torch.is_grad_enabled() and query.requires_grad):
             # against a cache: queries end at the row's last real key, wherever the slots end
             return flash_attn_with_kvcache(q, k, v, cache_seqlens=end, cache_leftpad=start, softmax_scale=scaling,
