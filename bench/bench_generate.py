@@ -3,7 +3,7 @@
 
     python bench/bench_generate.py [--layers 16 --hidden 2048 --heads 32 --kv-heads 8 --head-dim 128
                                     --batch 1,8 --prompt 512 --new-tokens 128] [--cache static]
-                                   [--rounds 3] [--out DIR]
+                                   [--rounds 3] [--profile] [--out DIR]
     python bench/bench_generate.py --tiny   # smoke test: a tiny model, fp32 on the CPU
 
 One model with random weights (seeded), loaded twice: ``attn_implementation="sdpa"`` and "cute"
@@ -18,7 +18,10 @@ with ``--cache static`` its StaticCache (eager: transformers would compile the d
 a static cache, which ``--compile`` lets it do). Also reported: how many leading generated tokens
 of "cute" and "sdpa" agree (the minimum over rows; greedy bf16 decoding may part on a near-tie
 late), the prompt's last logits of both (relative difference, the top-2 gap that decides a greedy
-pick) and tco's fallbacks over the timed generates (``tco.fallback_counts()``).
+pick) and tco's fallbacks over the timed generates (``tco.fallback_counts()``). ``--profile``
+adds one profiled generate per implementation: ms per token, GPU busy time per token, the host's
+launch calls (a replayed CUDA graph is one ``cudaGraphLaunch``) and the operators with the most
+host time.
 Prints a table, writes DIR/generate.json.
 """
 
@@ -90,6 +93,35 @@ def prefill_logits_agreement(models: dict, ids: torch.Tensor) -> dict:
             "max_abs_diff": (ours - ref).abs().max().item()}
 
 
+# launches a step makes, by the host calls' names (CUDA graphs replayed, kernels and copies)
+LAUNCH_CALLS = ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpyAsync", "cudaStreamSynchronize")
+
+
+def profile_generate(model, ids: torch.Tensor, args, name: str) -> dict:
+    """One generate under torch.profiler: its wall time per new token, the host calls that launch
+    work (a replayed CUDA graph is one ``cudaGraphLaunch``; kernels launched one by one show as
+    kernel launches), and the operators with the most host time. Printed and returned."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.device(args.device).type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        generate(model, ids, args)
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.synchronize()
+    per_token_ms = (time.perf_counter() - start) * 1e3 / args.new_tokens
+    events = prof.key_averages()
+    launches = {e.key: e.count for e in events if any(call in e.key for call in LAUNCH_CALLS)}
+    top = sorted((e for e in events if e.key.startswith("aten::") or "cute::" in e.key),
+                 key=lambda e: -e.self_cpu_time_total)[:6]
+    host = {e.key: round(e.self_cpu_time_total / 1e3, 2) for e in top}
+    gpu_ms = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    print(f"  profile {name}: {per_token_ms:.2f} ms per new token (profiled), GPU busy {gpu_ms / args.new_tokens:.2f} "
+          f"ms per token; launch calls {launches}; most host time (ms): {host}")
+    return {"ms_per_token": per_token_ms, "gpu_ms_per_token": gpu_ms / args.new_tokens, "launch_calls": launches,
+            "host_ms": host}
+
+
 def leading_agreement(a: torch.Tensor, b: torch.Tensor) -> list[int]:
     """Per row, how many leading tokens of a and b are equal."""
     return (a == b).int().cumprod(dim=1).sum(dim=1).tolist()
@@ -110,6 +142,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="let transformers compile the decoding step (it does so for a static cache on CUDA)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timings, profile one generate per implementation: where a step's time goes")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tiny", action="store_true", help=f"smoke-test defaults: {TINY}")
@@ -155,6 +189,9 @@ def main() -> None:
         results["rows"].append({"batch": batch, "tokens_per_s": rate, "ratio": rate["cute"] / rate["sdpa"],
                                 "seconds": seconds, "leading_tokens_agree": agree, "prefill_logits": logits,
                                 "fallbacks": fallbacks})
+        if args.profile:
+            results["rows"][-1]["profile"] = {name: profile_generate(model, ids, args, name)
+                                              for name, model in models.items()}
         print(f"{batch:>5} {rate['sdpa']:10.1f} {rate['cute']:10.1f} {rate['cute'] / rate['sdpa']:9.2f}x  "
               f"{f'{min(agree)}/{args.new_tokens}':>19}  {fallbacks or 'none'}; prefill logits: rel. diff "
               f"{logits['rel_diff']:.1e}, max |diff| {logits['max_abs_diff']:.1e}, median top-2 gap "
