@@ -95,9 +95,11 @@ def _check_values(q, k_cache, k, cache_seqlens, cache_batch_idx, page_table, cac
     values = torch.stack([torch.stack(pair) for pair in bounds]).tolist()
     if cache_leftpad is not None:
         low, past_end = values.pop()
-        if low < 0 or past_end > 0:
-            raise ValueError(f"cache_leftpad: each entry's first key must lie in [0, its length] (cache_seqlens "
-                             f"plus {new} new tokens); got a start {-low if low < 0 else past_end} keys outside")
+        if low < 0:
+            raise ValueError(f"cache_leftpad: an entry's first key must be >= 0, got {low}")
+        if past_end > 0:
+            raise ValueError(f"cache_leftpad: an entry's first key lies {past_end} keys past its length "
+                             f"(cache_seqlens plus {new} new tokens)")
     capacity = _capacity(k_cache, page_table)
     if values[0][0] < 0 or values[0][1] > capacity:
         raise ValueError(f"cache_seqlens: with {new} new tokens the lengths reach {values[0][1]}, past the "
