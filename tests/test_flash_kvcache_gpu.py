@@ -314,7 +314,7 @@ def test_reduce_overhead_compile_of_a_decode_step_and_a_masked_call(monkeypatch)
     from torch_cute_ops.runtime import attention as rt
 
     monkeypatch.setattr(rt, "_tile_counters", {})
-    monkeypatch.setattr(rt, "_summaries", {})
+    monkeypatch.setattr(rt, "_summaries", rt.PerTensor())
     kvc._cuda_identity_pages.cache_clear()
     gen = torch.Generator(device="cuda").manual_seed(17)
     q, cache, lengths, _ = _decode_step(6, 1, 1024, None, gen)

@@ -180,11 +180,13 @@ def test_generate_with_a_static_cache_and_left_padding_attends_through_the_kvcac
 
 
 def test_layers_share_one_key_range_per_mask(monkeypatch):
+    from torch_cute_ops.runtime.lasting import PerTensor
+
     """Every layer gets the same mask tensor: its key ranges are computed once (and the kvcache op
     checks their values once per forward), again after the mask changes, gone with the mask."""
     import gc
 
-    monkeypatch.setattr(cute_hf, "_key_ranges", {})
+    monkeypatch.setattr(cute_hf, "_key_ranges", PerTensor())
     mask = torch.ones(2, 6, dtype=torch.long)
     mask[0, :2] = 0
     first = cute_hf.shared_key_range(mask, 6)
@@ -194,7 +196,7 @@ def test_layers_share_one_key_range_per_mask(monkeypatch):
     assert cute_hf.shared_key_range(mask, 6)[0].tolist() == [2, 3]
     del mask
     gc.collect()
-    assert cute_hf._key_ranges == {}
+    assert len(cute_hf._key_ranges) == 0
 
 
 def test_written_keys_hide_unwritten_slots_and_padding():

@@ -35,14 +35,12 @@ and collators do).
 
 from __future__ import annotations
 
-import functools
-import weakref
-
 import torch
 import torch.nn.functional as F
 
 from ..functional import flash_attn_func, flash_attn_with_kvcache
 from ..ops import fallback
+from ..runtime.lasting import PerTensor
 from ..sdpa import scaled_dot_product_attention
 
 SUPPORTED = ((4, 56), (5, 0))  # transformers versions: [first, past-last), as pyproject's extra says
@@ -145,28 +143,16 @@ def key_range(padding_mask: torch.Tensor, kv_length: int) -> tuple[torch.Tensor,
     return start, start + count
 
 
-# id(mask) -> (weak reference, version, kv_length, (start, end)): the layers of a forward share
-# one mask tensor, so they share its key ranges, and the kvcache op's eager check of their values
-# (a read-back) runs once per forward instead of once per layer
-_key_ranges: dict[int, tuple] = {}
-
-
-def _forget_key_range(mask_id: int, ref) -> None:
-    if _key_ranges.get(mask_id, (None,))[0] is ref:
-        del _key_ranges[mask_id]
+# the layers of a forward share one mask tensor, so they share its key ranges, and the kvcache
+# op's eager check of their values (a read-back) runs once per forward instead of once per layer
+_key_ranges = PerTensor()
 
 
 def shared_key_range(padding_mask: torch.Tensor, kv_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`key_range`, computed once per mask tensor, version and kv_length (eager)."""
     if torch.compiler.is_compiling():
         return key_range(padding_mask, kv_length)
-    entry = _key_ranges.get(id(padding_mask))
-    if entry is not None and entry[0]() is padding_mask and entry[1:3] == (padding_mask._version, kv_length):
-        return entry[3]
-    ranges = key_range(padding_mask, kv_length)
-    ref = weakref.ref(padding_mask, functools.partial(_forget_key_range, id(padding_mask)))
-    _key_ranges[id(padding_mask)] = (ref, padding_mask._version, kv_length, ranges)
-    return ranges
+    return _key_ranges.get(padding_mask, kv_length, lambda: key_range(padding_mask, kv_length))
 
 
 def _window(sliding_window, causal: bool) -> tuple[int, int]:

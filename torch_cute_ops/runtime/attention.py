@@ -29,13 +29,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from .cache import get_compiled
-from .lasting import capturing, lasting, outside_graph_pools
+from .lasting import PerTensor, capturing, lasting, outside_graph_pools
 from .spec import KernelSpec
 from .tma import TMA_ALIGN_BYTES, tma_reason
 
@@ -309,33 +308,18 @@ def live_ranges(blocks: torch.Tensor) -> torch.Tensor:
     return torch.stack([start, end], dim=-1).to(torch.int32)
 
 
-# id(mask) -> (weak reference, {key: (version, summary)}): transformers hands every layer the same
-# mask tensor, and the backward gets the forward's (the forward's and backward's summaries differ).
-# An entry goes with its mask; summaries are made outside CUDA graphs' memory pools (runtime.lasting).
-_summaries: dict[int, tuple] = {}
-
-
-def _forget_summaries(mask_id: int, ref: weakref.ref) -> None:
-    if _summaries.get(mask_id, (None,))[0] is ref:
-        del _summaries[mask_id]
+# (mask, version, key) -> summary: transformers hands every layer the same mask tensor, and the
+# backward gets the forward's (the forward's and backward's summaries differ). Summaries are made
+# outside CUDA graphs' memory pools and leave with their mask (runtime.lasting).
+_summaries = PerTensor()
 
 
 def mask_summary(attn_mask: torch.Tensor, key: tuple, make):
     """``make()``'s summary of this mask, computed once per mask tensor, version and ``key`` (not
     kept when made during a CUDA graph capture: its contents exist only after a replay)."""
-    entry = _summaries.get(id(attn_mask))
-    if entry is not None and entry[0]() is attn_mask:
-        found = entry[1].get(key)
-        if found is not None and found[0] == attn_mask._version:
-            return found[1]
     if capturing():
-        return make()
-    summary = outside_graph_pools(attn_mask.device, make)
-    if entry is None or entry[0]() is not attn_mask:
-        ref = weakref.ref(attn_mask, functools.partial(_forget_summaries, id(attn_mask)))
-        entry = _summaries[id(attn_mask)] = (ref, {})
-    entry[1][key] = (attn_mask._version, summary)
-    return summary
+        return _summaries.get(attn_mask, key, make, keep=False)
+    return _summaries.get(attn_mask, key, lambda: outside_graph_pools(attn_mask.device, make))
 
 
 def _kernel_mask(attn_mask, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import threading
+import weakref
 from typing import Callable, TypeVar
 
 import torch
@@ -81,3 +82,38 @@ def lasting(fn: Callable[..., T]) -> Callable[..., T]:
 
     get.cache_clear = made.clear
     return get
+
+
+class PerTensor:
+    """Values derived from a tensor, made once per (tensor, version, key) and dropped with the
+    tensor (a weak reference): transformers hands every layer the same mask tensor, so its layers
+    share what is derived from it."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple] = {}  # id(tensor) -> (weak reference, {key: (version, value)})
+
+    def get(self, tensor: torch.Tensor, key, make: Callable[[], T], keep: bool = True) -> T:
+        """The value kept for ``key``, else ``make()``'s (kept unless ``keep`` is False)."""
+        entry = self._entries.get(id(tensor))
+        if entry is not None and entry[0]() is tensor:
+            found = entry[1].get(key)
+            if found is not None and found[0] == tensor._version:
+                return found[1]
+        value = make()
+        if keep:
+            if entry is None or entry[0]() is not tensor:
+                ref = weakref.ref(tensor, functools.partial(self._forget, id(tensor)))
+                entry = self._entries[id(tensor)] = (ref, {})
+            entry[1][key] = (tensor._version, value)
+        return value
+
+    def _forget(self, tensor_id: int, ref: weakref.ref) -> None:
+        if self._entries.get(tensor_id, (None,))[0] is ref:
+            del self._entries[tensor_id]
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        entry = self._entries.get(id(tensor))
+        return entry is not None and entry[0]() is tensor
+
+    def __len__(self) -> int:
+        return len(self._entries)
