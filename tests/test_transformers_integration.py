@@ -226,3 +226,31 @@ def test_versions_outside_the_tested_range_are_refused_clearly():
     for version in ("4.55.4", "5.0.0", "5.1.0rc1"):
         with pytest.raises(ImportError, match=r"transformers>=4.56,<5; found " + version.replace(".", r"\.")):
             cute_hf._check_version(version)
+
+
+def _static_decode_logits(kind: str, implementation: str, compiled: bool) -> torch.Tensor:
+    """Prefill a left-padded batch into a static cache, then three decode steps (compiled with
+    fullgraph=True when asked): their last logits."""
+    model = build(kind, implementation)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    logits = []
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, cache_position=torch.arange(9))
+        step = torch.compile(model.forward, fullgraph=True, backend="aot_eager") if compiled else model.forward
+        for t in range(3):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            out = step(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask, past_key_values=cache,
+                       cache_position=torch.tensor([9 + t]))
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_compiled_static_cache_decode_step_traces_whole(kind):
+    """A decode step into a static cache with left padding compiles with fullgraph=True (the
+    written-keys mask, key ranges and the kvcache op trace without a break) and gives sdpa's logits."""
+    ref = _static_decode_logits(kind, "sdpa", compiled=False)
+    torch.testing.assert_close(_static_decode_logits(kind, "cute", compiled=True), ref, rtol=1e-6, atol=1e-6)
