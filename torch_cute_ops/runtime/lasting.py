@@ -9,7 +9,8 @@ tensor made during a capture holds what the captured kernels write only after a 
 eager call that found it cached would read garbage. :func:`outside_graph_pools` makes such tensors
 on a helper thread (its allocations go to the ordinary pool) on a side stream ordered after the
 caller's stream, and waits for them. During a capture it is not used: callers make a per-call
-tensor that the graph owns and do not cache it.
+tensor that the graph owns and do not cache it. :class:`PerTensor` keeps values derived from a
+tensor (a mask's block summary) for as long as that tensor lives.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ T = TypeVar("T")
 
 _helper: concurrent.futures.ThreadPoolExecutor | None = None
 _helper_thread: threading.Thread | None = None
+_helper_lock = threading.Lock()
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -41,8 +43,9 @@ def outside_graph_pools(device: torch.device, make: Callable[[], T]) -> T:
     if device.type != "cuda" or not torch.cuda.is_available() or threading.current_thread() is _helper_thread:
         return make()  # off CUDA, or already on the helper (a nested make)
     global _helper
-    if _helper is None:
-        _helper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-cute-ops-lasting")
+    with _helper_lock:  # one helper for the process, whichever thread asks first
+        if _helper is None:
+            _helper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-cute-ops-lasting")
     index = torch.cuda.current_device() if device.index is None else device.index
     caller = torch.cuda.current_stream(index)
 
