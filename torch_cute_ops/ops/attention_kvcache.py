@@ -165,6 +165,14 @@ def _cuda_identity_pages(device_index: int, batch: int) -> torch.Tensor:
     return torch.arange(batch, device=torch.device("cuda", device_index), dtype=torch.int32)[:, None]
 
 
+def _pages_of(q, page_table, cache_batch_idx) -> torch.Tensor:
+    """The page table the paged kernel and the reference read: a contiguous cache is one page (of
+    the whole capacity) per entry, cache row b or cache_batch_idx[b]."""
+    if page_table is not None:
+        return page_table
+    return _identity_pages(q.device, q.shape[0]) if cache_batch_idx is None else cache_batch_idx[:, None]
+
+
 def _outputs_like(q):
     b, s, h, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -185,15 +193,15 @@ def _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_left
     plan = "cpu"
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_kvcache", q.device)
-        ranged = page_table is None and cache_batch_idx is None and (
-            cache_leftpad is not None or not (_mergeable(k_cache) and _mergeable(v_cache)))
+        mergeable = _mergeable(k_cache) and _mergeable(v_cache)
+        ranged = page_table is None and cache_batch_idx is None and (cache_leftpad is not None or not mergeable)
         if isinstance(host, str):
             plan = host
         elif ranged:
             plan = host.plan_fwd(q, k_cache, v_cache, causal, local=local, softcap=softcap, rows="ranged")
         elif cache_leftpad is not None:
             plan = "cache_leftpad: with cache_batch_idx only on the reference path"
-        elif not (_mergeable(k_cache) and _mergeable(v_cache)):
+        elif not mergeable:
             plan = ("k_cache/v_cache: the first two dims must be mergeable (rows of a (pages * page_size) view) "
                     "with page_table or cache_batch_idx")
         else:
@@ -235,20 +243,14 @@ def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
                 launch.ranged(q, k_cache, v_cache, key_start, key_lengths, out, lse, softmax_scale, left, right,
                               softcap)
             else:
-                table = page_table
-                if table is None:  # a contiguous cache: one page (of the whole capacity) per entry
-                    table = (_identity_pages(q.device, q.shape[0]) if cache_batch_idx is None
-                             else cache_batch_idx[:, None])
-                launch.kvcache(q, k_cache, v_cache, key_lengths, table, k_cache.shape[1], out, lse, softmax_scale,
-                               left, right, softcap)
+                launch.kvcache(q, k_cache, v_cache, key_lengths, _pages_of(q, page_table, cache_batch_idx),
+                               k_cache.shape[1], out, lse, softmax_scale, left, right, softcap)
             return out, lse
         plan = reason
     if plan != "cpu":
         fallback.note("flash_attn_kvcache", plan)
-    if page_table is None:
-        page_table = _identity_pages(q.device, q.shape[0]) if cache_batch_idx is None else cache_batch_idx[:, None]
-    return _reference(q, k_cache, v_cache, key_lengths, page_table, softmax_scale, causal, window_left,
-                      window_right, softcap, cache_leftpad)
+    return _reference(q, k_cache, v_cache, key_lengths, _pages_of(q, page_table, cache_batch_idx), softmax_scale,
+                      causal, window_left, window_right, softcap, cache_leftpad)
 
 
 register_impl("flash_attn_kvcache", flash_attn_kvcache_impl)

@@ -74,13 +74,12 @@ def lasting(fn: Callable[..., T]) -> Callable[..., T]:
     made: dict[tuple, T] = {}
 
     @functools.wraps(fn)
-    def get(device_index: int, *key):
-        found = made.get((device_index, *key))
+    def get(*args):  # args: (device_index, *key), the dict's key as given (the per-launch lookup)
+        found = made.get(args)
         if found is None:
             if capturing():
-                return fn(device_index, *key)
-            found = made[(device_index, *key)] = outside_graph_pools(
-                torch.device("cuda", device_index), lambda: fn(device_index, *key))
+                return fn(*args)
+            found = made[args] = outside_graph_pools(torch.device("cuda", args[0]), lambda: fn(*args))
         return found
 
     get.cache_clear = made.clear

@@ -76,20 +76,18 @@ class SeqBounds(DslState):
             self.offset_k = info_k[batch]
             self.seqlen_k = info_k[batch + 1] - self.offset_k
             self.padded_offset_q = (self.offset_q + batch * pad) // pad * pad
-        elif const_expr(rows == "ranged"):
-            self.offset_q, self.padded_offset_q = Int32(0), Int32(0)
-            self.seqlen_q = Int32(seqlen_q)
+        elif const_expr(rows in ("ranged", "padded")):  # keys [info_q[b], info_k[b])
             self.offset_k = info_q[batch]
             self.seqlen_k = info_k[batch] - self.offset_k
-        elif const_expr(rows == "padded"):
-            self.offset_k = info_q[batch]
-            self.seqlen_k = info_k[batch] - self.offset_k
-            shift = seqlen_k - seqlen_q  # query i sits at key position i + shift
-            self.offset_q = cutlass.max(self.offset_k - shift, 0)
-            self.seqlen_q = cutlass.max(info_k[batch] - shift, self.offset_q) - self.offset_q
-            # statistics from the entry's first real query on, in its own slot: whole-block
-            # loads start aligned (a 1-D TMA box must)
+            # padded: statistics from the entry's first real query on, in its own slot (whole-block
+            # loads start aligned: a 1-D TMA box must)
             self.padded_offset_q = Int32(0)
+            if const_expr(rows == "ranged"):  # every query real, the last at the range's end
+                self.offset_q, self.seqlen_q = Int32(0), Int32(seqlen_q)
+            else:
+                shift = seqlen_k - seqlen_q  # query i sits at key position i + shift
+                self.offset_q = cutlass.max(self.offset_k - shift, 0)
+                self.seqlen_q = cutlass.max(info_k[batch] - shift, self.offset_q) - self.offset_q
         else:
             self.offset_q, self.offset_k, self.padded_offset_q = Int32(0), Int32(0), Int32(0)
             self.seqlen_q, self.seqlen_k = Int32(seqlen_q), Int32(seqlen_k)
