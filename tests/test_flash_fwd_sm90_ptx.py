@@ -174,7 +174,9 @@ def test_bounded_softcap_forward_has_no_running_max(tmp_path, monkeypatch):
 def test_split_kv_combine_is_launched_early(tmp_path, monkeypatch):
     """Split-KV: the forward lets its combine kernel launch at once (launch_dependents), and the
     combine waits (griddepcontrol.wait) for the whole forward grid before it reads a partial;
-    unsplit variants launch one kernel and carry neither."""
+    unsplit variants launch one kernel and carry neither. The combine merges a row in one warp
+    (shuffles, not a load per split in turn) and keeps 8 splits' loads of the partial O in
+    flight (8 x 4 columns per lane at D128, plus the remainder loop's 4 and the lse)."""
     from torch_cute_ops.kernels import compile_spec
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
@@ -192,6 +194,8 @@ def test_split_kv_combine_is_launched_early(tmp_path, monkeypatch):
     combine = [e for e in entries if "combine" in e.split("(")[0].lower() or "SplitKv" in e.split("(")[0]]
     assert len(combine) == 1 and "griddepcontrol.wait" in combine[0]
     assert combine[0].index("griddepcontrol.wait") < combine[0].index("ld.global")
+    assert "shfl.sync.bfly" in combine[0] and "shfl.sync.idx" in combine[0]
+    assert combine[0].count("ld.global") >= 8 * 4 + 4 + 1
     assert split.count("griddepcontrol.launch_dependents") == 1
     assert "griddepcontrol" not in whole
 

@@ -339,16 +339,18 @@ def _split_placeholders(device_index: int, head_dim: int) -> tuple:
 # split-KV: the fewest key blocks one split streams (the partial O write and the combine stay
 # small beside its K/V reads)
 MIN_BLOCKS_PER_SPLIT = 4
+# the combine's warp holds one split's lse per lane (kernels.common.split_kv.SplitKvCombine)
+MAX_SPLITS = 32
 
 
 def num_splits_for(tiles: int, key_blocks: int, sms: int) -> int:
     """Split-KV (flash-decoding): how many CTAs share one tile's keys, when the tiles fill at most
     a quarter of the GPU (H100, B8 x 4k decode, 64 tiles: 2 splits 4% slower than none, 3 splits
     14%). The (tile, split) pairs fit one wave, and each split keeps >= MIN_BLOCKS_PER_SPLIT key
-    blocks; at most 32."""
+    blocks; at most MAX_SPLITS."""
     if 4 * tiles > sms or key_blocks < 2 * MIN_BLOCKS_PER_SPLIT:
         return 1
-    return max(1, min(sms // tiles, key_blocks // MIN_BLOCKS_PER_SPLIT, 32))
+    return max(1, min(sms // tiles, key_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
 @lasting

@@ -40,13 +40,15 @@ def store_partial(acc_o: cute.Tensor, lse: cute.Tensor, mOpart: cute.Tensor, mLS
 
 
 class SplitKvCombine:
-    """The merge of the splits: one output row (b, s, h) per group of ``threads_per_row``
-    threads, 8 columns per thread and step (one column at a time for head dims that are not a
-    multiple of 64)."""
+    """The merge of the splits, one warp per output row (b, s, h). Lane i holds split i's lse
+    (at most ``max_splits``), the warp reduces them with shuffles, and each lane sums its columns
+    (lane, lane + 32, ...) over the splits, weights shuffled from their lanes. A row's loads do
+    not wait on one another: it costs two memory round trips (the lse, then the partial O), not
+    one per split (the merge runs after the whole forward grid, so its latency is the step's)."""
 
     threads = 128
-    threads_per_row = 8
-    rows_per_cta = threads // threads_per_row
+    rows_per_cta = threads // 32
+    max_splits = 32
 
     def __init__(self, dtype, head_dim: int):
         self.dtype = dtype
@@ -55,42 +57,37 @@ class SplitKvCombine:
     @cute.kernel
     def kernel(self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                num_splits: Int32):
-        per_row = self.threads_per_row
+        D = self.head_dim
         cute.arch.griddepcontrol_wait()  # launched early: the splits' partials come first
         tidx = cute.arch.thread_idx()[0]
-        row = cute.arch.block_idx()[0] * self.rows_per_cta + tidx // per_row
-        lane = tidx % per_row
+        lane = tidx % 32
+        row = cute.arch.block_idx()[0] * self.rows_per_cta + tidx // 32
         seqlen, heads, batch = mO.shape[0], mO.shape[2], mO.shape[3]
         h = row % heads
         s = (row // heads) % seqlen
         b = row // (heads * seqlen)
-        if b < batch:
-            lse_max = -Float32.inf
-            for i in cutlass.range(num_splits, unroll=4):  # independent loads: keep several in flight
-                lse_max = cutlass.max(lse_max, mLSEpart[i * batch + b, h, s])
+        if b < batch:  # the same for the whole warp: the shuffles below see every lane
+            split_lse = -Float32.inf
+            if lane < num_splits:
+                split_lse = mLSEpart[lane * batch + b, h, s]
+            lse_max = cute.arch.warp_reduction_max(split_lse)
             safe_max = 0.0 if lse_max == -Float32.inf else lse_max
-            total = Float32(0.0)
-            for i in cutlass.range(num_splits, unroll=4):
-                total += cute.math.exp2((mLSEpart[i * batch + b, h, s] - safe_max) * LOG2_E, fastmath=True)
+            total = cute.arch.warp_reduction_sum(
+                cute.math.exp2((split_lse - safe_max) * LOG2_E, fastmath=True))
             lse = -Float32.inf if total == 0.0 else safe_max + cute.math.log2(total, fastmath=True) * (1.0 / LOG2_E)
             safe_lse = 0.0 if total == 0.0 else lse
-            vectorized = self.head_dim % (8 * per_row) == 0
-            for k in cutlass.range_constexpr(self.head_dim // (8 * per_row) if vectorized else 0):
-                chunk = lane + k * per_row
-                acc = cute.make_rmem_tensor((8,), Float32)
-                acc.fill(0.0)
-                for i in cutlass.range(num_splits, unroll=4):
-                    weight = cute.math.exp2((mLSEpart[i * batch + b, h, s] - safe_lse) * LOG2_E, fastmath=True)
-                    part = cute.local_tile(mOpart[i * batch + b, s, h, None], (8,), (chunk,)).load()
-                    acc.store(acc.load() + part * weight)
-                cute.local_tile(mO[s, None, h, b], (8,), (chunk,)).store(acc.load().to(self.dtype))
-            for col in cutlass.range_constexpr(0 if vectorized else self.head_dim):
-                if col % per_row == lane:
-                    value = Float32(0.0)
-                    for i in cutlass.range(num_splits, unroll=1):
-                        weight = cute.math.exp2((mLSEpart[i * batch + b, h, s] - safe_lse) * LOG2_E, fastmath=True)
-                        value += mOpart[i * batch + b, s, h, col] * weight
-                    mO[s, col, h, b] = value.to(self.dtype)
+            weight = cute.math.exp2((split_lse - safe_lse) * LOG2_E, fastmath=True)  # 0 past the splits
+            cols_per_lane = (D + 31) // 32
+            acc = cute.make_rmem_tensor((cols_per_lane,), Float32)
+            acc.fill(0.0)
+            for i in cutlass.range(num_splits, unroll=8):  # 8 splits' loads in flight
+                split_weight = cute.arch.shuffle_sync(weight, i)
+                for j in cutlass.range_constexpr(cols_per_lane):
+                    if D % 32 == 0 or lane + 32 * j < D:
+                        acc[j] += split_weight * mOpart[i * batch + b, s, h, lane + 32 * j]
+            for j in cutlass.range_constexpr(cols_per_lane):
+                if D % 32 == 0 or lane + 32 * j < D:
+                    mO[s, lane + 32 * j, h, b] = acc[j].to(self.dtype)
             if lane == 0:
                 mLSE[s, h, b] = lse
 
