@@ -90,21 +90,36 @@ def test_named_errors(change, match):
         tco.flash_attn_with_kvcache(**call)
 
 
-@pytest.mark.parametrize("tiles,key_blocks", [(8, 256), (64, 32), (32, 256), (1, 8), (3, 1000), (66, 64)])
+@pytest.mark.parametrize("tiles,key_blocks", [(8, 256), (64, 32), (32, 256), (1, 8), (3, 1000), (66, 64), (8, 8),
+                                               (8, 32), (16, 8), (32, 8), (8, 4), (8, 1), (2, 500)])
 def test_split_kv_fills_one_wave(tiles, key_blocks):
-    """Split-KV never leaves (tile, split) pairs for a second wave, keeps >= 4 key blocks per
-    split, and splits only tiles that fill at most a quarter of the SMs."""
-    from torch_cute_ops.runtime.attention import num_splits_for
+    """Split-KV never leaves (tile, split) pairs for a second wave and gives every split a key
+    block; it splits only tiles that fill at most a quarter of the SMs, into a full wave of
+    splits of >= 4 blocks where the keys allow, else into about half a wave of shorter ones."""
+    from torch_cute_ops.runtime.attention import MAX_SPLITS, num_splits_for
 
     sms = 132
     splits = num_splits_for(tiles, key_blocks, sms)
-    assert 1 <= splits <= 32
+    assert 1 <= splits <= MAX_SPLITS == 32
     assert tiles * splits <= sms or splits == 1
-    assert splits == 1 or key_blocks // splits >= 4
-    if 4 * tiles <= sms and key_blocks >= 8:
-        assert splits == min(sms // tiles, key_blocks // 4, 32)  # as many as one wave holds
-    else:
+    assert splits <= key_blocks
+    full_wave = min(sms // tiles, 32)
+    if 4 * tiles > sms or key_blocks < 2:
         assert splits == 1
+    elif key_blocks >= 4 * full_wave:
+        assert splits == full_wave  # long keys: as many splits as one wave holds
+    else:
+        assert splits == min(key_blocks, sms // 2 // tiles)  # short keys: about half a wave
+        assert tiles * splits <= sms // 2
+
+
+def test_split_counts_of_the_decode_shapes_measured():
+    """The split counts the H100 measurements chose (GQA 32/8, 128-key blocks): B1 x 1k 8
+    splits of one block, B1 x 4k 8 of four, B1 x 32k 16, B4 x 1k 2, B8 x 4k none."""
+    from torch_cute_ops.runtime.attention import num_splits_for
+
+    assert [num_splits_for(tiles, blocks, 132) for tiles, blocks in
+            [(8, 8), (8, 32), (8, 256), (32, 8), (64, 32), (8, 4)]] == [8, 8, 16, 2, 1, 4]
 
 
 def test_captured_launches_take_distinct_slots_of_a_zeroed_slab(monkeypatch):
