@@ -157,17 +157,19 @@ def test_kvcache_launches(launches, seqlen_q):
 
 def test_ranged_launches(launches):
     """A contiguous cache with any strides, each entry's keys [start, end): one and four query
-    tokens (pack-GQA rows), and a long cache (split-KV)."""
-    for seqlen_q, seqlen_k in ((1, 300), (4, 300), (1, 32768)):
+    tokens (pack-GQA rows) against one key block, a short cache (split into single blocks) and a
+    long one (split-KV)."""
+    cases = ((1, 128, False), (4, 128, False), (1, 300, True), (1, 32768, True))
+    for seqlen_q, seqlen_k, _ in cases:
         q, k, v = _qkv(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads=32, kv_heads=8)
         k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))  # (B, H_kv, S, D) storage
         out, lse = _fwd_outputs(q)
-        start, end = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([seqlen_k, 200], dtype=torch.int32)
+        start, end = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([seqlen_k, 100], dtype=torch.int32)
         flash_host.plan_fwd(q, k, v, True, rows="ranged").ranged(q, k, v, start, end, out, lse, 0.1)
     specs = [spec for spec, _ in launches]
-    assert [spec["rows"] for spec in specs] == ["ranged"] * 3
-    assert [spec.get("split_kv", False) for spec in specs] == [False, False, True]
+    assert [spec["rows"] for spec in specs] == ["ranged"] * len(cases)
+    assert [spec.get("split_kv", False) for spec in specs] == [split for _, _, split in cases]
     shipped = flash_host.shipped("sm_90a")
-    assert specs[0] in shipped and specs[2] in shipped, "one-token decode over transformers' caches ships"
+    assert all(specs[i] in shipped for i in (0, 2, 3)), "one-token decode over transformers' caches ships"
     for spec, args in launches:
         _check_agreement(spec, args)
