@@ -312,9 +312,11 @@ def test_reduce_overhead_compile_of_a_decode_step_and_a_masked_call(monkeypatch)
     warm-up here; warm-up, recording and replays are checked against the reference."""
     from torch_cute_ops.ops import attention_kvcache as kvc
     from torch_cute_ops.runtime import attention as rt
+    from torch_cute_ops.runtime import attention_mask
+    from torch_cute_ops.runtime.lasting import PerTensor
 
     monkeypatch.setattr(rt, "_tile_counters", {})
-    monkeypatch.setattr(rt, "_summaries", rt.PerTensor())
+    monkeypatch.setattr(attention_mask, "_summaries", PerTensor())
     kvc._cuda_identity_pages.cache_clear()
     gen = torch.Generator(device="cuda").manual_seed(17)
     q, cache, lengths, _ = _decode_step(6, 1, 1024, None, gen)

@@ -5,7 +5,7 @@ import gc
 
 import torch
 
-from torch_cute_ops.runtime import attention as rt
+from torch_cute_ops.runtime import attention_mask as rt
 from torch_cute_ops.runtime import lasting
 
 

@@ -4,7 +4,7 @@ live block ranges, and the bit-packed copy of a bool mask that the forward loads
 import pytest
 import torch
 
-from torch_cute_ops.runtime.attention import (
+from torch_cute_ops.runtime.attention_mask import (
     BLOCK_EMPTY,
     BLOCK_FULL,
     BLOCK_PARTIAL,
@@ -80,7 +80,7 @@ def test_dq_turns_count_the_higher_key_blocks_that_visit_each_query_block():
     """The deterministic backward's turn of key block n at query block m, for masks: how many key
     blocks above n have m in their [first, past-last) range; checked against a direct count on
     random ranges (empty ones included) with broadcast batch and head dims."""
-    from torch_cute_ops.runtime.attention import dq_turns
+    from torch_cute_ops.runtime.attention_mask import dq_turns
 
     torch.manual_seed(0)
     m_blocks = 13

@@ -34,7 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from .cache import get_compiled
-from .lasting import PerTensor, capturing, lasting, outside_graph_pools
+from .attention_mask import bwd_mask_summary, dq_turns, fwd_mask_summary, kernel_mask, mask_summary
+from .attention_mask import mask_kind  # noqa: F401 (the op layer asks the host for it)
+from .lasting import lasting, outside_graph_pools
 from .spec import KernelSpec
 from .tma import TMA_ALIGN_BYTES, tma_reason
 
@@ -238,96 +240,6 @@ def num_sms(device_index: int) -> int:
 
 # ---------------------------------------------------------------------------------- attn_mask
 
-BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL = 0, 1, 2  # kernels.common.flash_common's block statuses
-
-
-def mask_kind(attn_mask) -> str:
-    return "none" if attn_mask is None else "bool" if attn_mask.dtype == torch.bool else "add"
-
-
-def as_4d(attn_mask: torch.Tensor) -> torch.Tensor:
-    """A mask broadcastable to (B, H, S_q, S_k) as a 4-d view (leading size-1 dims added)."""
-    return attn_mask[(None,) * (4 - attn_mask.dim())]
-
-
-def mask_blocks(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int) -> torch.Tensor:
-    """The block summary of an attn_mask: int8 (B', H', M blocks, N blocks) of BLOCK_EMPTY (no
-    visible key), BLOCK_FULL (every key visible, no additive bias) or BLOCK_PARTIAL, with B', H'
-    the mask's own (broadcast dims stay 1). One pass of torch ops over the mask."""
-    mask = as_4d(attn_mask)
-    mask = mask.expand(mask.shape[0], mask.shape[1], seqlen_q, seqlen_k)
-    if mask.dtype == torch.bool:
-        live, full = mask, mask
-    else:
-        live, full = mask != float("-inf"), mask == 0
-    m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
-    pad = (0, n_blocks * tile_n - seqlen_k, 0, m_blocks * tile_m - seqlen_q)
-    # padding rows and columns decide nothing: never live, never spoil a full block
-    live = torch.nn.functional.pad(live.to(torch.uint8), pad, value=0)
-    full = torch.nn.functional.pad(full.to(torch.uint8), pad, value=1)
-    shape = (*mask.shape[:2], m_blocks, tile_m, n_blocks, tile_n)
-    any_live = live.view(shape).amax(dim=(3, 5)).bool()
-    all_full = full.view(shape).amin(dim=(3, 5)).bool()
-    blocks = torch.full(any_live.shape, BLOCK_EMPTY, dtype=torch.int8, device=mask.device)
-    blocks.masked_fill_(any_live, BLOCK_PARTIAL)
-    return blocks.masked_fill_(all_full, BLOCK_FULL)
-
-
-def mask_bits(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int) -> torch.Tensor:
-    """A bool attn_mask bit-packed as the forward reads it: int32 (B', H', rows, words), bit ``i``
-    of word ``w`` is key ``32 w + i`` (little-endian bytes), rows and keys padded with zeros to
-    whole (tile_m, tile_n) tiles and rows to 16 bytes. An eighth of the mask's bytes, so a
-    partial block costs each thread one vector load per row."""
-    mask = as_4d(attn_mask)
-    mask = mask.expand(mask.shape[0], mask.shape[1], seqlen_q, seqlen_k)
-    rows = -(-seqlen_q // tile_m) * tile_m
-    keys = -(-(-(-seqlen_k // tile_n) * tile_n) // 128) * 128
-    padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, keys - seqlen_k, 0, rows - seqlen_q))
-    weights = torch.bitwise_left_shift(1, torch.arange(8, device=mask.device)).to(torch.uint8)  # no copy: capturable
-    packed = (padded.view(*padded.shape[:-1], keys // 8, 8) * weights).sum(dim=-1, dtype=torch.uint8)
-    return packed.view(torch.int32)
-
-
-def dq_turns(ranges: torch.Tensor, m_blocks: int) -> torch.Tensor:
-    """int32 (..., key blocks, query blocks): how many higher key blocks visit each query block,
-    given each key block's [first, past-last) query blocks (:func:`live_ranges`): a key block's
-    turn to add its dQ tile in the deterministic backward, for masks (whose ranges are arbitrary,
-    unlike a band's)."""
-    index = torch.arange(m_blocks, device=ranges.device, dtype=torch.int32)
-    visits = ((ranges[..., :1] <= index) & (index < ranges[..., 1:])).to(torch.int32)
-    at_or_above = visits.flip(-2).cumsum(-2, dtype=torch.int32).flip(-2)
-    return at_or_above - visits
-
-
-def live_ranges(blocks: torch.Tensor) -> torch.Tensor:
-    """int32 (..., 2): the first and past-last non-empty block along the last dim ((0, 0) if none)."""
-    live = blocks != BLOCK_EMPTY
-    index = torch.arange(blocks.shape[-1], device=blocks.device, dtype=torch.int32)
-    end = torch.where(live, index + 1, 0).amax(dim=-1)
-    start = torch.minimum(torch.where(live, index, blocks.shape[-1]).amin(dim=-1), end)
-    return torch.stack([start, end], dim=-1).to(torch.int32)
-
-
-# (mask, version, key) -> summary: transformers hands every layer the same mask tensor, and the
-# backward gets the forward's (the forward's and backward's summaries differ). Summaries are made
-# outside CUDA graphs' memory pools and leave with their mask (runtime.lasting).
-_summaries = PerTensor()
-
-
-def mask_summary(attn_mask: torch.Tensor, key: tuple, make):
-    """``make()``'s summary of this mask, computed once per mask tensor, version and ``key`` (not
-    kept when made during a CUDA graph capture: its contents exist only after a replay)."""
-    if capturing():
-        return _summaries.get(attn_mask, key, make, keep=False)
-    return _summaries.get(attn_mask, key, lambda: outside_graph_pools(attn_mask.device, make))
-
-
-def _kernel_mask(attn_mask, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
-    """The mask as the kernels read it: (B, H_q, S_q, S_k) strided view, bool as uint8."""
-    mask = as_4d(attn_mask).expand(batch, heads, seqlen_q, seqlen_k)
-    return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-
-
 @lasting
 def _split_placeholders(device_index: int, head_dim: int) -> tuple:
     """What an unsplit forward gets for the split-KV partials it never reads."""
@@ -526,12 +438,12 @@ class FlashFwdLaunch:
         if self._attends_to_nothing(out, lse):
             return
         (b, s_q, h, _), s_k = q.shape, k.shape[1]
-        blocks, ranges, bits = mask_summary(attn_mask, ("fwd", s_q, s_k, self.tiles), lambda: _fwd_mask_summary(
+        blocks, ranges, bits = mask_summary(attn_mask, ("fwd", s_q, s_k, self.tiles), lambda: fwd_mask_summary(
             attn_mask, s_q, s_k, self.tiles))
         counter = _tile_counter(q.device)
         unused = _unused_counter(self.device_index)
         m_blocks, n_blocks = blocks.shape[-2:]
-        mask = _kernel_mask(attn_mask, b, h, s_q, s_k) if bits is None else bits.expand(b, h, *bits.shape[2:])
+        mask = kernel_mask(attn_mask, b, h, s_q, s_k) if bits is None else bits.expand(b, h, *bits.shape[2:])
         self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, mask,
                 blocks.expand(b, h, m_blocks, n_blocks), ranges.expand(b, h, m_blocks, 2), softmax_scale, 0, 0,
                 0.0, self.grid, *self._split_args(q))
@@ -607,24 +519,6 @@ def kvcache_config(head_dim: int, page_size: int | None) -> FwdConfig | str:
     if page_size % 64 == 0:
         return dataclasses.replace(config, tile_n=64)
     return f"page_size {page_size}: the kernels need a multiple of 64 (or of {config.tile_n})"
-
-
-def _fwd_mask_summary(attn_mask, seqlen_q: int, seqlen_k: int, tiles: tuple[int, int]):
-    """Blocks, live key-block ranges, and a bool mask's bits (None for an additive one)."""
-    blocks = mask_blocks(attn_mask, seqlen_q, seqlen_k, *tiles)
-    bits = mask_bits(attn_mask, seqlen_q, seqlen_k, *tiles) if attn_mask.dtype == torch.bool else None
-    return blocks, live_ranges(blocks), bits
-
-
-def _bwd_mask_summary(attn_mask, seqlen_q: int, seqlen_k: int, tiles: tuple[int, int], kv_heads: int):
-    """Blocks at the backward's tiles, and per (batch, kv head, key block) the query blocks that any
-    head of the GQA group sees."""
-    blocks = mask_blocks(attn_mask, seqlen_q, seqlen_k, *tiles)
-    per_group = blocks
-    if blocks.shape[1] > 1:  # the mask differs per head: the union over each group
-        b, h, m, n = blocks.shape
-        per_group = blocks.view(b, kv_heads, h // kv_heads, m, n).amax(dim=2)
-    return blocks, live_ranges(per_group.transpose(2, 3))
 
 
 def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
@@ -736,7 +630,7 @@ class FlashBwdLaunch:
         seqlen_k, kv_heads = k.shape[1], k.shape[2]
         tiles = BWD_TILES[head_dim][:2]
         blocks, ranges = mask_summary(attn_mask, ("bwd", seqlen_q, seqlen_k, tiles, kv_heads),
-                                      lambda: _bwd_mask_summary(attn_mask, seqlen_q, seqlen_k, tiles, kv_heads))
+                                      lambda: bwd_mask_summary(attn_mask, seqlen_q, seqlen_k, tiles, kv_heads))
         delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
                                                     head_dim, self.tile_m, q.device)
         m_blocks, n_blocks = blocks.shape[-2:]
@@ -747,7 +641,7 @@ class FlashBwdLaunch:
                 ranges, m_blocks).expand(batch, kv_heads, n_blocks, m_blocks).contiguous())
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum, turns),
                 self.unused, self.unused, 0, 0,
-                _kernel_mask(attn_mask, batch, heads, seqlen_q, seqlen_k),
+                kernel_mask(attn_mask, batch, heads, seqlen_q, seqlen_k),
                 blocks.expand(batch, heads, m_blocks, n_blocks), ranges.expand(batch, kv_heads, n_blocks, 2),
                 softmax_scale, 0, 0, 0.0)
 

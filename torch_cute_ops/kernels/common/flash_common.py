@@ -332,7 +332,7 @@ def mask_scores(
                         acc[r, c] = acc[r, c] if t0ScS[0, c][1] < limit else -Float32.inf
 
 
-# a key block's status in an attn_mask's block summary (runtime.attention.mask_summary)
+# a key block's status in an attn_mask's block summary (runtime.attention_mask.mask_summary)
 BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL = 0, 1, 2
 
 

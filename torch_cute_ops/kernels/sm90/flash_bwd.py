@@ -734,7 +734,7 @@ class FlashBwdSm90:
         """How many higher key blocks of this sequence visit query block ``m_block``: this key
         block's turn to add to that dQ tile. Dense: all of them. Causal and windows: a closed
         form (``key_blocks_reaching``; a loop over the key blocks would outlast the tile at long
-        lengths). Masks: the host's table (``runtime.attention.dq_turns``), counted from the same
+        lengths). Masks: the host's table (``runtime.attention_mask.dq_turns``), counted from the same
         ranges the CTAs loop over, so the count always comes."""
         n_blocks = cute.ceil_div(bounds.seqlen_k, self.tile_n)
         turn = n_blocks - 1 - n_block
