@@ -611,27 +611,12 @@ class FlashFwdSm90:
                 keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch, split,
                                       splits)
                 row_start = m_block * self.tile_m + wg * 64
-                mask = partial(mask_scores, tScS=tScS, t0ScS=t0ScS, row_start=m_block * self.tile_m,
-                               seqlen_q=bounds.seqlen_q, seqlen_k=bounds.seqlen_k, local=self.local, left=window_left,
-                               right=window_right, rows_per_query=self.rows_per_query)
-                if const_expr(self.softcap):
-                    mask = partial(_capped_mask, mask, cap_scale)
-                load_words = None
-                if const_expr(self.attn_mask == "bool"):
-                    load_words = partial(load_mask_words, mMask[batch, head, None, None], tScS,
-                                         m_block * self.tile_m, tile_n=self.tile_n)
-                    mask = partial(_user_mask, mask, partial(_bool_mask, load_words, tScS, t0ScS))
-                if const_expr(self.attn_mask == "add"):
-                    user_mask = partial(apply_attn_mask, tScS=tScS, mMask=mMask[batch, head, None, None],
-                                        row_start=m_block * self.tile_m, seqlen_q=bounds.seqlen_q,
-                                        seqlen_k=bounds.seqlen_k, additive=True, inv_scale=inv_scale)
-                    mask = partial(_user_mask, mask, user_mask)
+                mask, load_words = self.tile_mask(tScS, t0ScS, m_block, head, batch, bounds, window_left,
+                                                  window_right, cap_scale, mMask, inv_scale)
 
                 softmax.reset()
                 acc_o.fill(0.0)
                 o_scale.fill(1.0)
-                n_min, n_max = keys.n_block_min, keys.n_block_max
-                banded = self.causal or self.local
                 if const_expr(self.gathered_rows):
                     # the producer gathers only real rows: this WG zeroes the rest of its slab
                     # (rows the producer leaves alone, so no race with its copies)
@@ -640,67 +625,9 @@ class FlashFwdSm90:
                 if const_expr(self.gathered_rows):
                     cute.arch.fence_view_async_shared()  # the lanes' cp.async writes and the zeros, seen by WGMMA
                     cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
-                if n_max > n_min:
-                    # last key block first: it alone may hold keys past seqlen_k
-                    pipe_k.consumer_wait(kv_state)
-                    acc_s = qk_gemm(kv_state.index, 0)
-                    pipe_k.consumer_release(kv_state)
-                    mask(acc_s, col_start=(n_max - 1) * self.tile_n, causal=self.causal, mask_seqlen=True)
-                    softmax.step(acc_s, is_first=True)
-                    to_p(acc_s)
-                    # blocks n_max-2 .. n_min, newest first: those crossing the band's right edge
-                    # (masked), the inside (no mask), those crossing its left edge (local, masked)
-                    right_end = cutlass.max(cutlass.min(keys.n_block_min_masked, n_max - 1), n_min)
-                    if const_expr(banded):
-                        for i in cutlass.range(n_max - 1 - right_end, unroll=1):
-                            kv_state = self.overlapped_block(
-                                kv_state, n_max - 2 - i, qk_gemm, pv_gemm, to_p, mask, True,
-                                softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
-                    free_end = n_min
-                    if const_expr(self.local):
-                        free_end = cutlass.max(cutlass.min(keys.n_block_min_unmasked, right_end), n_min)
-                    if const_expr(self.masked):
-                        # attn_mask: each block as its summary says (full: no mask, else masked);
-                        # the next block's kind is read one block ahead, off the critical path
-                        blocks = mMaskBlocks[batch, head, m_block, None]
-                        kind = blocks[cutlass.max(right_end - 1, 0)]
-                        for i in cutlass.range(right_end - free_end, unroll=1):
-                            n_block = right_end - 1 - i
-                            next_kind = blocks[cutlass.max(n_block - 1, 0)]
-                            if kind == BLOCK_FULL:
-                                kv_state = self.overlapped_block(
-                                    kv_state, n_block, qk_gemm, pv_gemm, to_p, mask, False,
-                                    softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
-                            else:
-                                kv_state = self.overlapped_block(
-                                    kv_state, n_block, qk_gemm, pv_gemm, to_p, mask, True,
-                                    softmax, acc_o, o_scale, pipe_k, pipe_v, wg, load_words)
-                            kind = next_kind
-                    else:
-                        for i in cutlass.range(right_end - free_end, unroll=1):
-                            kv_state = self.overlapped_block(
-                                kv_state, right_end - 1 - i, qk_gemm, pv_gemm, to_p, mask, False,
-                                softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
-                    if const_expr(self.local):
-                        for i in cutlass.range(free_end - n_min, unroll=1):
-                            kv_state = self.overlapped_block(
-                                kv_state, free_end - 1 - i, qk_gemm, pv_gemm, to_p, mask, True,
-                                softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
-                    # all QK GEMMs are done: with its own O buffer, Q can be refilled now,
-                    # under the last P V and the epilogue
-                    if const_expr(self.separate_o):
-                        pipe_q.consumer_release(q_state)
-                    # the last P V
-                    if const_expr(self.rescale_before_pv):
-                        scale_rows(acc_o, o_scale, not self.bounded_scores)
-                    pipe_v.consumer_wait(kv_state)
-                    pv_gemm(kv_state.index, 0)
-                    pipe_v.consumer_release(kv_state)
-                    kv_state.advance()
-                else:
-                    if const_expr(self.separate_o):
-                        pipe_q.consumer_release(q_state)
-
+                kv_state = self.attend_keys(kv_state, keys, qk_gemm, pv_gemm, to_p, mask, load_words, softmax, acc_o,
+                                            o_scale, pipe_q, pipe_k, pipe_v, q_state, wg,
+                                            (mMaskBlocks, batch, head, m_block))
                 if const_expr(self.split_kv):
                     out_scale, lse = softmax.finalize()
                     scale_rows(acc_o, out_scale)
@@ -712,6 +639,100 @@ class FlashFwdSm90:
                     pipe_q.consumer_release(q_state)
                 q_state.advance()
             tile, tile_state = tile_source.consume_next(tile, tile_state)
+
+    @cute.jit
+    def tile_mask(self, tScS, t0ScS, m_block, head, batch, bounds: SeqBounds, window_left: Int32,
+                  window_right: Int32, cap_scale: Float32, mMask, inv_scale: Float32):
+        """The score mask of one tile (its band, key tail, softcap, attn_mask) as one callable, and
+        a bool attn_mask's word loader (None without one)."""
+        mask = partial(mask_scores, tScS=tScS, t0ScS=t0ScS, row_start=m_block * self.tile_m,
+                       seqlen_q=bounds.seqlen_q, seqlen_k=bounds.seqlen_k, local=self.local, left=window_left,
+                       right=window_right, rows_per_query=self.rows_per_query)
+        if const_expr(self.softcap):
+            mask = partial(_capped_mask, mask, cap_scale)
+        load_words = None
+        if const_expr(self.attn_mask == "bool"):
+            load_words = partial(load_mask_words, mMask[batch, head, None, None], tScS,
+                                 m_block * self.tile_m, tile_n=self.tile_n)
+            mask = partial(_user_mask, mask, partial(_bool_mask, load_words, tScS, t0ScS))
+        if const_expr(self.attn_mask == "add"):
+            user_mask = partial(apply_attn_mask, tScS=tScS, mMask=mMask[batch, head, None, None],
+                                row_start=m_block * self.tile_m, seqlen_q=bounds.seqlen_q,
+                                seqlen_k=bounds.seqlen_k, additive=True, inv_scale=inv_scale)
+            mask = partial(_user_mask, mask, user_mask)
+        return mask, load_words
+
+    @cute.jit
+    def attend_keys(self, kv_state, keys, qk_gemm, pv_gemm, to_p, mask, load_words, softmax: OnlineSoftmax,
+                    acc_o, o_scale, pipe_q, pipe_k, pipe_v, q_state, wg, mask_blocks):
+        """One tile's walk over its key blocks ``keys`` (newest first), O and the softmax
+        accumulated; Q is released as soon as the last QK GEMM is issued when O has its own smem.
+        ``mask_blocks``: (mMaskBlocks, batch, head, m_block), the tile's attn_mask block summary
+        (read by masked variants only)."""
+        n_min, n_max = keys.n_block_min, keys.n_block_max
+        banded = self.causal or self.local
+        if n_max > n_min:
+            # last key block first: it alone may hold keys past seqlen_k
+            pipe_k.consumer_wait(kv_state)
+            acc_s = qk_gemm(kv_state.index, 0)
+            pipe_k.consumer_release(kv_state)
+            mask(acc_s, col_start=(n_max - 1) * self.tile_n, causal=self.causal, mask_seqlen=True)
+            softmax.step(acc_s, is_first=True)
+            to_p(acc_s)
+            # blocks n_max-2 .. n_min, newest first: those crossing the band's right edge
+            # (masked), the inside (no mask), those crossing its left edge (local, masked)
+            right_end = cutlass.max(cutlass.min(keys.n_block_min_masked, n_max - 1), n_min)
+            if const_expr(banded):
+                for i in cutlass.range(n_max - 1 - right_end, unroll=1):
+                    kv_state = self.overlapped_block(
+                        kv_state, n_max - 2 - i, qk_gemm, pv_gemm, to_p, mask, True,
+                        softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
+            free_end = n_min
+            if const_expr(self.local):
+                free_end = cutlass.max(cutlass.min(keys.n_block_min_unmasked, right_end), n_min)
+            if const_expr(self.masked):
+                # attn_mask: each block as its summary says (full: no mask, else masked);
+                # the next block's kind is read one block ahead, off the critical path
+                mMaskBlocks, batch, head, m_block = mask_blocks
+                blocks = mMaskBlocks[batch, head, m_block, None]
+                kind = blocks[cutlass.max(right_end - 1, 0)]
+                for i in cutlass.range(right_end - free_end, unroll=1):
+                    n_block = right_end - 1 - i
+                    next_kind = blocks[cutlass.max(n_block - 1, 0)]
+                    if kind == BLOCK_FULL:
+                        kv_state = self.overlapped_block(
+                            kv_state, n_block, qk_gemm, pv_gemm, to_p, mask, False,
+                            softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
+                    else:
+                        kv_state = self.overlapped_block(
+                            kv_state, n_block, qk_gemm, pv_gemm, to_p, mask, True,
+                            softmax, acc_o, o_scale, pipe_k, pipe_v, wg, load_words)
+                    kind = next_kind
+            else:
+                for i in cutlass.range(right_end - free_end, unroll=1):
+                    kv_state = self.overlapped_block(
+                        kv_state, right_end - 1 - i, qk_gemm, pv_gemm, to_p, mask, False,
+                        softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
+            if const_expr(self.local):
+                for i in cutlass.range(free_end - n_min, unroll=1):
+                    kv_state = self.overlapped_block(
+                        kv_state, free_end - 1 - i, qk_gemm, pv_gemm, to_p, mask, True,
+                        softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
+            # all QK GEMMs are done: with its own O buffer, Q can be refilled now,
+            # under the last P V and the epilogue
+            if const_expr(self.separate_o):
+                pipe_q.consumer_release(q_state)
+            # the last P V
+            if const_expr(self.rescale_before_pv):
+                scale_rows(acc_o, o_scale, not self.bounded_scores)
+            pipe_v.consumer_wait(kv_state)
+            pv_gemm(kv_state.index, 0)
+            pipe_v.consumer_release(kv_state)
+            kv_state.advance()
+        else:
+            if const_expr(self.separate_o):
+                pipe_q.consumer_release(q_state)
+        return kv_state
 
     @cute.jit
     def overlapped_block(self, kv_state, n_block, qk_gemm, pv_gemm, to_p, mask,
