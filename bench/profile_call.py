@@ -7,7 +7,9 @@ CASE: ``gemm`` (``tco.gemm``, bf16 N x N x N), ``scaled_mm_tensor`` / ``scaled_m
 ``scaled_mm_block`` (``tco.scaled_mm``, e4m3, the three scale modes), ``attn_fwd`` (``tco.flash_attn_func``)
 and ``attn_bwd`` (``torch.ops.cute.flash_attn_bwd`` called directly: a backward reached through autograd
 runs on autograd's device thread, outside a range opened here). Attention shapes: B16 S``--size``
-H16 D``--head-dim``. Random data; the call runs ``--warmup`` times before the marked one.
+H16 D``--head-dim``. ``decode`` (``tco.flash_attn_with_kvcache``) and, to set beside it, ``decode_torch``
+(torch's SDPA, ``enable_gqa``): one query token of B``--batch`` against ``--size`` cached keys, GQA
+32/8. Random data; the call runs ``--warmup`` times before the marked one.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CASES = ("gemm", "scaled_mm_tensor", "scaled_mm_row", "scaled_mm_block", "attn_fwd", "attn_bwd")
+CASES = ("gemm", "scaled_mm_tensor", "scaled_mm_row", "scaled_mm_block", "attn_fwd", "attn_bwd", "decode",
+         "decode_torch")
 
 
-def make_call(case: str, size: int, head_dim: int, causal: bool):
+def make_call(case: str, size: int, head_dim: int, causal: bool, batch: int = 1):
     """The zero-argument call of ``case`` on fresh random CUDA inputs."""
     import torch_cute_ops as tco
     from torch_cute_ops import fp8
@@ -39,6 +42,14 @@ def make_call(case: str, size: int, head_dim: int, causal: bool):
         w = torch.randn(size, size, device=dev, dtype=bf)
         (qa, sa), (qb, sb) = quantize(x), quantize(w.t(), operand="b")
         return lambda: tco.scaled_mm(qa, qb, sa, sb)
+    if case.startswith("decode"):
+        q = torch.randn(batch, 1, 32, head_dim, device=dev, dtype=bf)
+        k, v = (torch.randn(batch, size, 8, head_dim, device=dev, dtype=bf) for _ in range(2))
+        if case == "decode_torch":
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            return lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        lengths = torch.full((batch,), size, dtype=torch.int32, device=dev)
+        return lambda: tco.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True)
     q, k, v = (torch.randn(16, size, 16, head_dim, device=dev, dtype=bf) for _ in range(3))
     if case == "attn_fwd":
         return lambda: tco.flash_attn_func(q, k, v, causal=causal)
@@ -50,13 +61,15 @@ def make_call(case: str, size: int, head_dim: int, causal: bool):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("case", choices=CASES)
-    parser.add_argument("--size", type=int, default=None, help="GEMM N (default 8192) or attention S (default 1024)")
+    parser.add_argument("--size", type=int, default=None,
+                        help="GEMM N (default 8192), attention S (default 1024) or decode keys (default 32768)")
+    parser.add_argument("--batch", type=int, default=1, help="decode batch")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
-    size = args.size or (1024 if args.case.startswith("attn") else 8192)
-    call = make_call(args.case, size, args.head_dim, args.causal)
+    size = args.size or (1024 if args.case.startswith("attn") else 32768 if args.case.startswith("decode") else 8192)
+    call = make_call(args.case, size, args.head_dim, args.causal, args.batch)
     for _ in range(args.warmup):
         call()
     torch.cuda.synchronize()
