@@ -307,17 +307,18 @@ def test_split_kv_on_a_long_cache(s_q, page, cap, lengths):
 def test_reduce_overhead_compile_of_a_decode_step_and_a_masked_call(monkeypatch):
     """torch.compile(mode="reduce-overhead") warms a function up with the thread's allocations
     routed to its CUDA graph's pool, then checks that nothing but the outputs lives there: the tile
-    counters, placeholders, page tables and mask summaries the hosts keep across calls are made
+    counters, placeholders, key starts and mask summaries the hosts keep across calls are made
     outside it. A batch size, a stream and a mask the process has not seen make them during the
     warm-up here; warm-up, recording and replays are checked against the reference."""
     from torch_cute_ops.ops import attention_kvcache as kvc
     from torch_cute_ops.runtime import attention as rt
     from torch_cute_ops.runtime import attention_mask
+
+    kvc._zero_starts.cache_clear()
     from torch_cute_ops.runtime.lasting import PerTensor
 
     monkeypatch.setattr(rt, "_tile_counters", {})
     monkeypatch.setattr(attention_mask, "_summaries", PerTensor())
-    kvc._cuda_identity_pages.cache_clear()
     gen = torch.Generator(device="cuda").manual_seed(17)
     q, cache, lengths, _ = _decode_step(6, 1, 1024, None, gen)
     mq = torch.randn(2, 8, 100, 64, device="cuda", generator=gen).bfloat16()

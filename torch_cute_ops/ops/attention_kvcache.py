@@ -153,24 +153,15 @@ def _zero_starts(device_index: int, batch: int) -> torch.Tensor:
     return torch.zeros(batch, dtype=torch.int32, device=torch.device("cuda", device_index))
 
 
-def _identity_pages(device: torch.device, batch: int) -> torch.Tensor:
-    """Entry b's one page is cache row b (on CUDA, made once per device and batch size)."""
-    if device.type != "cuda":
-        return torch.arange(batch, device=device, dtype=torch.int32)[:, None]
-    return _cuda_identity_pages(device.index, batch)
-
-
-@lasting
-def _cuda_identity_pages(device_index: int, batch: int) -> torch.Tensor:
-    return torch.arange(batch, device=torch.device("cuda", device_index), dtype=torch.int32)[:, None]
-
-
 def _pages_of(q, page_table, cache_batch_idx) -> torch.Tensor:
     """The page table the paged kernel and the reference read: a contiguous cache is one page (of
-    the whole capacity) per entry, cache row b or cache_batch_idx[b]."""
+    the whole capacity) per entry, cache row b or cache_batch_idx[b] (the kernels read a
+    contiguous cache without cache_batch_idx directly: only the reference needs its table)."""
     if page_table is not None:
         return page_table
-    return _identity_pages(q.device, q.shape[0]) if cache_batch_idx is None else cache_batch_idx[:, None]
+    if cache_batch_idx is None:
+        return torch.arange(q.shape[0], device=q.device, dtype=torch.int32)[:, None]
+    return cache_batch_idx[:, None]
 
 
 def _outputs_like(q):
