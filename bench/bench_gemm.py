@@ -30,6 +30,8 @@ ANCHOR_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 8192, 1024), (16
                  (4096, 14336, 4096), (1024, 4096, 4096)]
 LLM_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (12288, 4096)]
 LLM_SHAPES = [(m, n, k) for m in (1024, 4096, 16384) for n, k in LLM_NK]
+# few rows at LLM widths (#16's bar set): too few 128-row tiles to fill the GPU
+SMALL_M_SHAPES = [(m, n, k) for m in (128, 256, 512) for n, k in LLM_NK]
 FUSED_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 14336, 4096), (16384, 4096, 4096)]
 
 
@@ -50,6 +52,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--quick", action="store_true", help="anchor shapes only")
+    parser.add_argument("--shapes", default="", help="MxNxK,... instead of the grid (e.g. 128x4096x4096)")
     parser.add_argument("--configs", default="", help="extra configs to time per shape, e.g. "
                         "'128x256c2x1,pp128x128c2x1' (pp = ping-pong)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -92,7 +95,9 @@ def main():
     torch.cuda.synchronize()
     results["first_call_s"] = time.perf_counter() - start
 
-    shapes = ANCHOR_SHAPES if args.quick else list(dict.fromkeys(ANCHOR_SHAPES + LLM_SHAPES))
+    shapes = ANCHOR_SHAPES if args.quick else list(dict.fromkeys(ANCHOR_SHAPES + LLM_SHAPES + SMALL_M_SHAPES))
+    if args.shapes:
+        shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     print(f"{dev}, {sm_count} SMs\n{'M x N x K':>22} {'config':>16} {'tco':>6} {'cuBLAS':>6} {'QuACK':>6} "
           f"{'/cuBLAS':>7} {'/QuACK':>6} {'bare':>6}")
     for m, n, k in shapes:
