@@ -238,7 +238,7 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# ---------------------------------------------------------------------------------- attn_mask
+# ------------------------------------------------------------------- split-KV and placeholders
 
 @lasting
 def _split_placeholders(device_index: int, head_dim: int) -> tuple:
