@@ -184,7 +184,6 @@ def _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_left
     plan = "cpu"
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_kvcache", q.device)
-        mergeable = _mergeable(k_cache) and _mergeable(v_cache)
         # a contiguous cache without cache_batch_idx: entry b is cache row b, read with its own strides
         # (H100, clean graph replays: 0.5-2% faster than one page per entry through a table)
         ranged = page_table is None and cache_batch_idx is None
@@ -194,7 +193,7 @@ def _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_left
             plan = host.plan_fwd(q, k_cache, v_cache, causal, local=local, softcap=softcap, rows="ranged")
         elif cache_leftpad is not None:
             plan = "cache_leftpad: with cache_batch_idx only on the reference path"
-        elif not mergeable:
+        elif not (_mergeable(k_cache) and _mergeable(v_cache)):
             plan = ("k_cache/v_cache: the first two dims must be mergeable (rows of a (pages * page_size) view) "
                     "with page_table or cache_batch_idx")
         else:

@@ -41,14 +41,14 @@ def store_partial(acc_o: cute.Tensor, lse: cute.Tensor, mOpart: cute.Tensor, mLS
 
 class SplitKvCombine:
     """The merge of the splits, one warp per output row (b, s, h). Lane i holds split i's lse
-    (at most ``max_splits``), the warp reduces them with shuffles, and each lane sums its columns
-    (lane, lane + 32, ...) over the splits, weights shuffled from their lanes. A row's loads do
-    not wait on one another: it costs two memory round trips (the lse, then the partial O), not
-    one per split (the merge runs after the whole forward grid, so its latency is the step's)."""
+    (the host keeps splits <= 32: runtime.attention.MAX_SPLITS), the warp reduces them with
+    shuffles, and each lane sums its columns (lane, lane + 32, ...) over the splits, weights
+    shuffled from their lanes. A row's loads do not wait on one another: it costs two memory
+    round trips (the lse, then the partial O), not one per split (the merge runs after the whole
+    forward grid, so its latency is the step's)."""
 
     threads = 128
     rows_per_cta = threads // 32
-    max_splits = 32
 
     def __init__(self, dtype, head_dim: int):
         self.dtype = dtype
