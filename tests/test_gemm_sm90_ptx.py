@@ -23,7 +23,8 @@ def _ptx(dump_dir):
     return ptx_files[0].read_text()
 
 
-@pytest.mark.parametrize("spec", [SHIPPED[0], SHIPPED[2]], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [SHIPPED[0], next(s for s in SHIPPED if s["tile"] == (128, 128))],
+                         ids=lambda s: s.name)
 def test_shipped_ptx(spec, tmp_path):
     compile_spec(spec, dump_dir=tmp_path)
     ptx = _ptx(tmp_path)
@@ -179,13 +180,40 @@ def test_scheduler_covers_every_tile_once():
         assert all(m < clusters_m and n < clusters_n and l < batches for m, n, l in seen)
 
 
+def _mn(config):
+    return config.tile_mn, config.cluster_mn
+
+
 def test_config_heuristic():
     assert choose_config("sm_90a", 8192, 8192, 8192).tile_mn == (128, 256)
     assert choose_config("sm_90a", 8192, 8192, 8192).cluster_mn == (2, 1)
     assert choose_config("sm_90a", 32, 4096, 4096).tile_m == 64
-    assert choose_config("sm_90a", 256, 512, 512).tile_mn == (128, 128)
+    # few rows at LLM widths: more, narrower tiles where 128 x 128 would leave SMs idle ...
+    assert _mn(choose_config("sm_90a", 128, 4096, 4096)) == ((128, 64), (1, 1))
+    assert _mn(choose_config("sm_90a", 256, 4096, 14336)) == ((128, 64), (2, 1))
+    # ... 128 x 192 where it makes one full wave (128 tiles; 128 x 256 makes 96, 128 x 128 192)
+    assert _mn(choose_config("sm_90a", 256, 12288, 4096)) == ((128, 192), (2, 1))
+    assert choose_config("sm_90a", 512, 12288, 4096).tile_mn == (128, 192)
+    # ... and the widest tile wherever it fills the waves as well
+    assert choose_config("sm_90a", 512, 4096, 4096).tile_mn == (128, 128)
+    assert choose_config("sm_90a", 512, 14336, 4096).tile_mn == (128, 256)
+    assert choose_config("sm_90a", 1024, 14336, 4096).tile_mn == (128, 256)
+    assert not choose_config("sm_90a", 256, 12288, 4096).pingpong
+    assert choose_config("sm_90a", 128, 4096, 4096, fp8=True).tile_mn == (128, 128)
     # short K over many tiles: 128 x 192 ping-pong (16-bit); FP8 and K = 4096 stay cooperative
     small_k = choose_config("sm_90a", 8192, 8192, 1024)
     assert (small_k.tile_mn, small_k.cluster_mn, small_k.pingpong) == ((128, 192), (2, 1), True)
     assert not choose_config("sm_90a", 8192, 8192, 1024, fp8=True).pingpong
     assert not choose_config("sm_90a", 8192, 8192, 4096).pingpong
+
+
+@pytest.mark.parametrize("b_k_major", [False, True], ids=["x@W", "x@W.T"])
+def test_llm_shapes_run_shipped_variants(b_k_major):
+    """Every bf16 GEMM of the LLM widths (N, K in 4096 / 12288 / 14336), M from 128 to 16384,
+    takes a prebuilt variant for row-major B and for nn.Linear's weight: none compiles on first use."""
+    shipped = set(SHIPPED)
+    for m in (128, 256, 512, 1024, 4096, 16384):
+        for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (12288, 4096)):
+            config = choose_config("sm_90a", m, n, k)
+            spec = sm90_gemm.spec("bf16", "bf16", True, b_k_major, False, None, config, 2)
+            assert spec in shipped, (m, n, k, config)

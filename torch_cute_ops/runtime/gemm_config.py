@@ -14,8 +14,13 @@ Hopper (sm_90a) rules, for 16-bit inputs on a 132-SM H100/H200:
 
 * ``M <= 64``: one consumer warpgroup, ``64 x 128`` tiles (``64 x 64`` when that
   still leaves SMs idle); these shapes are bound by reading B, so more CTAs win.
-* otherwise ``128 x 256`` tiles with two consumer warpgroups (each owns 64 rows)
-  when they fill at least 3/4 of a wave, else ``128 x 128`` to get more CTAs.
+* otherwise 128-row tiles with two consumer warpgroups (each owns 64 rows), ``tile_n``
+  one of 256, 192, 128, 64: the widest unless a narrower one fills the last wave enough
+  better to pay for its lower throughput per tile (:data:`SM90_TILE_N_EFFICIENCY`). Few-row
+  problems at LLM widths (M = 128..512) are where this matters: 128 x 64 tiles put twice
+  the CTAs of 128 x 128 on reading B, and 128 x 192 makes 128 tiles (one wave) of
+  256 x 12288, where 128 x 256 makes 96 and 128 x 128 makes 192.
+* FP8 keeps ``128 x 256`` when those fill 3/4 of a wave, else ``128 x 128``.
 * K <= 1024 with at least sixteen waves of ``128 x 192`` tiles (16-bit only): those tiles
   in ping-pong, whose epilogue overlaps the other warpgroup's short main loop.
 * a ``2 x 1`` cluster (B tile multicast to both CTAs of the pair, halving its L2
@@ -101,16 +106,32 @@ def num_tiles(m: int, n: int, batch: int, tile_m: int, tile_n: int) -> int:
 SM90_PINGPONG_MAX_K = 1024
 
 
+# Throughput of a 128-row cooperative tile per SM relative to 128 x 256 (16-bit, H100): the
+# narrower the tile, the more A and B bytes it loads per MMA. Fitted to bench_gemm.py configs
+# at M = 256..1024 (see bench/NOTES.md, session 19): 128 x 192 at one full wave ran at 0.92-0.98
+# of 128 x 256 at one full wave; 128 x 64 wins only where it fills several times the SMs.
+SM90_TILE_N_EFFICIENCY = {256: 1.0, 192: 0.93, 128: 0.85, 64: 0.6}
+
+
+def wave_fill(tiles: int, sm_count: int) -> float:
+    """The share of the SMs' tile slots that ``tiles`` occupy over the waves they take."""
+    return tiles / (-(-tiles // sm_count) * sm_count)
+
+
 def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int, fp8: bool = False) -> GemmConfig:
     if m <= 64:
         tile_n = 128 if num_tiles(m, n, batch, 64, 128) >= sm_count else 64
         return GemmConfig(64, tile_n)
     cluster_m = 2 if m > 128 else 1
-    if not fp8 and k <= SM90_PINGPONG_MAX_K and num_tiles(m, n, batch, 128, 192) >= 16 * sm_count:
+    if fp8:  # FP8 keeps its two tiles (blockwise scales allow at most 128 columns)
+        tile_n = 256 if 4 * num_tiles(m, n, batch, 128, 256) >= 3 * sm_count else 128
+        return GemmConfig(128, tile_n, cluster_m)
+    if k <= SM90_PINGPONG_MAX_K and num_tiles(m, n, batch, 128, 192) >= 16 * sm_count:
         return GemmConfig(128, 192, cluster_m, pingpong=True)
-    if 4 * num_tiles(m, n, batch, 128, 256) >= 3 * sm_count:
-        return GemmConfig(128, 256, cluster_m)
-    return GemmConfig(128, 128, cluster_m)
+    # the first of the widest on a tie
+    tile_n = max(SM90_TILE_N_EFFICIENCY, key=lambda tile_n: SM90_TILE_N_EFFICIENCY[tile_n]
+                 * wave_fill(num_tiles(m, n, batch, 128, tile_n), sm_count))
+    return GemmConfig(128, tile_n, cluster_m)
 
 
 register_heuristic("sm_90a", _sm90_heuristic)
