@@ -175,13 +175,14 @@ def test_ranged_launches(launches):
         _check_agreement(spec, args)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("batch,heads,kv_heads,seqlen_k", [(1, 32, 8, 1024), (8, 32, 8, 4096), (64, 32, 8, 4096),
                                                            (1, 32, 8, 32768), (4, 16, 16, 2048), (2, 64, 8, 8192)])
-def test_one_token_decode_from_a_contiguous_cache_is_prebuilt(launches, batch, heads, kv_heads, seqlen_k):
+def test_one_token_decode_from_a_contiguous_cache_is_prebuilt(launches, batch, heads, kv_heads, seqlen_k, head_dim):
     """A one-token decode step against a contiguous cache (the ranged rows, as the kvcache op
     plans it: causal, keys from 0) runs a shipped variant: a serving process's first decode step
-    compiles nothing, whatever the batch, cache length, GQA group or split."""
-    q, k, v = _qkv(batch=batch, seqlen_q=1, seqlen_k=seqlen_k, heads=heads, kv_heads=kv_heads)
+    compiles nothing, whatever the batch, cache length, GQA group, split or head dim (64, 128)."""
+    q, k, v = _qkv(batch=batch, seqlen_q=1, seqlen_k=seqlen_k, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     band_causal, local, _, _ = flash_host.kernel_band(True, None, None, 1, seqlen_k)
     out, lse = _fwd_outputs(q)
     start, end = torch.zeros(batch, dtype=torch.int32), torch.full((batch,), seqlen_k, dtype=torch.int32)

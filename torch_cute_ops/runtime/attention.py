@@ -180,7 +180,7 @@ def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", loca
 
 def shipped(arch: str) -> list[KernelSpec]:
     """Forward: bf16 at the common head dims, padded batches, KV-cache and split-KV decode at
-    D128, transformers' caches (prefill and decode); backward: bf16 and fp16 at D64/D128. Other
+    D128, transformers' caches (prefill and decode) at D64 and D128; backward: bf16 and fp16 at D64/D128. Other
     variants compile on first use."""
     if arch != "sm_90a":
         return []
@@ -194,11 +194,13 @@ def shipped(arch: str) -> list[KernelSpec]:
     fwd += [fwd_spec("bf16", 128, False, rows="kvcache", split_kv=split) for split in (False, True)]
     fwd.append(fwd_spec("bf16", 128, False, split_kv=True))
     # transformers' caches (ranged rows): the prompt against a static cache, and one-token decode
-    # (pack-GQA) on one warpgroup (short caches) or two, whole or split
-    fwd.append(fwd_spec("bf16", 128, True, rows="ranged"))
-    decode = config_for(128, False, ragged=True)
-    fwd += [fwd_spec("bf16", 128, False, config, rows="ranged", split_kv=split)
-            for config in (decode, _one_warpgroup_decode(decode, 128, 2)) for split in (False, True)]
+    # (pack-GQA) on one warpgroup (short caches) or two, whole or split; D128 and D64 (the small
+    # GQA models: Llama 3.2 1B, Qwen 2.5 0.5B)
+    for head_dim in (64, 128):
+        fwd.append(fwd_spec("bf16", head_dim, True, rows="ranged"))
+        decode = config_for(head_dim, False, ragged=True)
+        fwd += [fwd_spec("bf16", head_dim, False, config, rows="ranged", split_kv=split)
+                for config in (decode, _one_warpgroup_decode(decode, head_dim, 2)) for split in (False, True)]
     bwd = [bwd_spec(d, h, c) for d in ("bf16", "fp16") for h in (64, 128) for c in (False, True)]
     bwd += [bwd_spec("bf16", h, False, local=True) for h in (64, 128)]
     bwd.append(bwd_spec("bf16", 128, True, rows="padded"))
