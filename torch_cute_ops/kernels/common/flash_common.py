@@ -1,5 +1,6 @@
 """Pieces shared by the attention kernels (forward and backward, sm90).
 
+* WGMMA pieces: the tiled MMA, swizzled smem tiles, one warpgroup GEMM issued as a group;
 * accumulator views: a WGMMA accumulator fragment seen as (rows, cols) and as
   the A operand of a register-sourced WGMMA (P in registers for O += P V);
 * :class:`KeyRange`: which key blocks a query block visits (causal is bottom-right
@@ -82,6 +83,39 @@ def tiled_wgmma(dtype, a_major, b_major, tile_mn, atoms_mn=(1, 1),
         tiler_mn=(min(64, tile_mn[0] // atoms_mn[0]), tile_mn[1] // atoms_mn[1]),
         a_source=a_source,
     )
+
+
+def swizzled_smem_layout(dtype, rows: int, cols: int, stages: int | None = None, slice_cols: int | None = None):
+    """Row-major (cols contiguous) swizzled (rows, cols[, stages]) tile for WGMMA and TMA, readable
+    by WGMMA as a K- or (through :func:`transposed_view`) MN-major operand.
+
+    The swizzle atom (64, 32, 16 or 8 16-bit columns) must divide ``slice_cols``, the column
+    count one warpgroup reads when it takes this tile as an MN-major operand (default: all).
+    """
+    bits = math.gcd(cols, slice_cols or cols) * dtype.width
+    kinds = warpgroup.SmemLayoutAtomKind
+    kind = (kinds.K_SW128 if bits % 1024 == 0 else kinds.K_SW64 if bits % 512 == 0
+            else kinds.K_SW32 if bits % 256 == 0 else kinds.K_INTER)
+    atom = warpgroup.make_smem_layout_atom(kind, dtype)
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
+
+
+@cute.jit
+def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+                   zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int] = -1):
+    """Issue one warpgroup GEMM over all its k blocks as one commit group; ``wait`` >= 0 then
+    waits until at most that many groups are in flight."""
+    warpgroup.fence()
+    # a fresh atom per call: its ACCUMULATE flag is state that must not leak across loops
+    mma_atom = cute.make_mma_atom(tiled_mma.op)
+    mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait >= 0):
+        warpgroup.wait_group(wait)
 
 
 def transposed_view(t: cute.Tensor) -> cute.Tensor:

@@ -45,7 +45,6 @@ Extra memory: delta and lse * log2(e) (2 x B*H*S_q fp32, padded) and the dQ accu
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import cutlass
@@ -59,7 +58,7 @@ from ...runtime.spec import KernelSpec
 from ..common.bulk import bulk_reduce_add_f32, nanosleep
 from ..common.flash_common import (
     BLOCK_FULL, LOG2_E, acc_as_rows_cols, apply_attn_mask, apply_softcap, convert_to_16bit, key_blocks_reaching,
-    mask_scores, query_block_range, tiled_wgmma, transposed_view,
+    mask_scores, query_block_range, swizzled_smem_layout, tiled_wgmma, transposed_view, warpgroup_gemm,
 )
 from ..common.mask_args import mask_fakes
 from ..common.seqlen import SeqBounds, seq_major, store_rows
@@ -79,33 +78,6 @@ _BAR_MMA = 1  # both MMA warpgroups: P/dS ready, P/dS free, epilogue
 _BAR_DQ_FULL = 2  # the warpgroup's dQ tile is in smem
 _BAR_DQ_EMPTY = 4  # the writer's reduce-add has finished reading it
 _DQ_BAR_THREADS = 128 + 32
-
-
-def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None,
-                 slice_cols: int | None = None):
-    """Row-major (cols contiguous) swizzled tile, readable by WGMMA as K- or MN-major.
-
-    The swizzle atom (64, 32, 16 or 8 16-bit columns) must divide slice_cols, the
-    column count one warpgroup reads when it takes this tile as an MN-major operand.
-    """
-    bits = math.gcd(cols, slice_cols or cols) * dtype.width
-    kinds = warpgroup.SmemLayoutAtomKind
-    kind = (kinds.K_SW128 if bits % 1024 == 0 else kinds.K_SW64 if bits % 512 == 0
-            else kinds.K_SW32 if bits % 256 == 0 else kinds.K_INTER)
-    atom = warpgroup.make_smem_layout_atom(kind, dtype)
-    shape = (rows, cols) if stages is None else (rows, cols, stages)
-    return cute.tile_to_shape(atom, shape, order=tuple(range(len(shape))))
-
-
-@cute.jit
-def _wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-           zero_init: cutlass.Constexpr[bool]):
-    """Issue one warpgroup GEMM (all its k-blocks) as one commit group; does not wait."""
-    warpgroup.fence()
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, not zero_init or k != 0)
-        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-    warpgroup.commit_group()
 
 
 @cute.jit
@@ -225,21 +197,19 @@ class FlashBwdSm90:
         mma_sdp, mma_dkv, mma_dq = self._make_mmas()
 
         # Q, dO: MN-major B of dK/dV; K: MN-major B of dQ
-        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.head_dim, self.num_stages,
-                                 self.head_dim // self.dkv_atoms[1])
+        sQ_layout = swizzled_smem_layout(self.dtype, self.tile_m, self.head_dim, self.num_stages,
+                                         self.head_dim // self.dkv_atoms[1])
         sdO_layout = sQ_layout
-        sKV_layout = _smem_layout(self.dtype, self.tile_n, self.head_dim, None, self.dq_cols)
+        sKV_layout = swizzled_smem_layout(self.dtype, self.tile_n, self.head_dim, None, self.dq_cols)
         # P and dS as their accumulators hold them, one buffer per Q stage, so that writing
         # block i+1's never waits for the other warpgroup's block-i GEMMs (with one stage a
         # barrier orders them). Transposed, only dS is stored: the A of dQ, MN-major.
         if const_expr(self.swap_sdp):
-            sdS_layout = _smem_layout(self.dtype, self.tile_n, self.tile_m, self.pds_stages,
-                                      self.tile_m)
+            sdS_layout = swizzled_smem_layout(self.dtype, self.tile_n, self.tile_m, self.pds_stages, self.tile_m)
             sP_layout = sdS_layout  # never allocated: P stays in registers
         else:
             pds_slice = self.tile_n // self.dkv_atoms[0]
-            sP_layout = _smem_layout(self.dtype, self.tile_m, self.tile_n, self.pds_stages,
-                                     pds_slice)
+            sP_layout = swizzled_smem_layout(self.dtype, self.tile_m, self.tile_n, self.pds_stages, pds_slice)
             sdS_layout = sP_layout
         # lse * log2(e) with Q, delta with dO: one query block per stage
         sStat_layout = cute.make_layout((self.tile_m, self.num_stages))
@@ -557,14 +527,14 @@ class FlashBwdSm90:
             # S = Q K^T, then dP = dO V^T
             pipe_q.consumer_wait(state_q)
             if const_expr(swap):
-                _wgmma(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, q_idx], True)
+                warpgroup_gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, q_idx], True)
             else:
-                _wgmma(mma_sdp, acc_S, tSrQ[None, None, None, q_idx], tSrK, True)
+                warpgroup_gemm(mma_sdp, acc_S, tSrQ[None, None, None, q_idx], tSrK, True)
             pipe_do.consumer_wait(state_do)
             if const_expr(swap):
-                _wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do_idx], True)
+                warpgroup_gemm(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do_idx], True)
             else:
-                _wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, do_idx], tdPrV, True)
+                warpgroup_gemm(mma_sdp, acc_dP, tdPrdO[None, None, None, do_idx], tdPrV, True)
             warpgroup.wait_group(1)
 
             # P = exp2(S * scale * log2(e) - lse * log2(e))
@@ -579,8 +549,8 @@ class FlashBwdSm90:
             if const_expr(swap):
                 if const_expr(not self.dv_after_ds):
                     # dV += P^T dO straight from registers, on the tensor cores while dS forms
-                    _wgmma(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
-                           tdVrdOt[None, None, None, do_idx], False)
+                    warpgroup_gemm(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
+                                   tdVrdOt[None, None, None, do_idx], False)
             else:
                 if const_expr(self.pds_stages == 1):
                     # single P/dS buffer: both warpgroups are done with the previous block's
@@ -601,19 +571,19 @@ class FlashBwdSm90:
             cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=_NUM_MMA_THREADS)
 
             if const_expr(swap and self.dv_after_ds):
-                _wgmma(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
-                       tdVrdOt[None, None, None, do_idx], False)
+                warpgroup_gemm(mma_dkv, acc_dV, cute.make_tensor(rP.iterator, a_regs),
+                               tdVrdOt[None, None, None, do_idx], False)
             if const_expr(not swap):
-                _wgmma(mma_dkv, acc_dV, tdVrPt[None, None, None, pds_idx],
-                       tdVrdOt[None, None, None, do_idx], False)
+                warpgroup_gemm(mma_dkv, acc_dV, tdVrPt[None, None, None, pds_idx],
+                               tdVrdOt[None, None, None, do_idx], False)
             # dQ = dS K, dK += dS^T Q
-            _wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, True)
+            warpgroup_gemm(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, True)
             if const_expr(swap):
-                _wgmma(mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, a_regs),
-                       tdKrQt[None, None, None, q_idx], False)
+                warpgroup_gemm(mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, a_regs),
+                               tdKrQt[None, None, None, q_idx], False)
             else:
-                _wgmma(mma_dkv, acc_dK, tdKrdSt[None, None, None, pds_idx],
-                       tdKrQt[None, None, None, q_idx], False)
+                warpgroup_gemm(mma_dkv, acc_dK, tdKrdSt[None, None, None, pds_idx],
+                               tdKrQt[None, None, None, q_idx], False)
             warpgroup.wait_group(1)  # dV and dQ done, dK still running
             pipe_do.consumer_release(state_do)
             state_do.advance()

@@ -31,11 +31,9 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from ...runtime.attention import FwdConfig
 from ...runtime.spec import KernelSpec
@@ -55,8 +53,10 @@ from ..common.flash_common import (
     load_mask_words,
     mask_scores,
     scale_rows,
+    swizzled_smem_layout,
     tiled_wgmma,
     transposed_view,
+    warpgroup_gemm,
 )
 from ..common.seqlen import SeqBounds, gqa_rows, load_rows, seq_major, store_rows, zero_rows
 from ..common.mask_args import mask_fakes
@@ -69,48 +69,18 @@ _BAR_EPILOGUE = 1  # + consumer WG index
 _BAR_SCHED = 4  # + consumer WG index
 
 
-def _smem_layout(dtype, rows: int, cols: int, stages: int):
-    """``stages`` row-major (rows, cols) tiles, swizzled for WGMMA and TMA."""
-    atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
-    )
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
-
-
 def _select(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
 
 
-@cute.jit
-def _wgmma(
-    tiled_mma: cute.TiledMma,
-    acc: cute.Tensor,
-    tCrA: cute.Tensor,
-    tCrB: cute.Tensor,
-    zero_init: cutlass.Constexpr[bool],
-    wait: cutlass.Constexpr[int],
-):
-    """Issue one warpgroup GEMM over all k blocks; ``wait`` >= 0 waits for that many groups."""
-    warpgroup.fence()
-    # a fresh atom per call: its ACCUMULATE flag is state that must not leak across loops
-    mma_atom = cute.make_mma_atom(tiled_mma.op)
-    mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        mma_atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-    if const_expr(wait >= 0):
-        warpgroup.wait_group(wait)
-
-
 def _qk_gemm(tiled_mma, acc_shape, tSrQ, tSrK, stage, wait):
     acc_s = cute.make_rmem_tensor(acc_shape, Float32)
-    _wgmma(tiled_mma, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait)
+    warpgroup_gemm(tiled_mma, acc_s, tSrQ, tSrK[None, None, None, stage], True, wait)
     return acc_s
 
 
 def _pv_gemm(tiled_mma, acc_o, tOrP, tOrVt, stage, wait):
-    _wgmma(tiled_mma, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait)
+    warpgroup_gemm(tiled_mma, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait)
 
 
 def _capped_mask(mask, cap_scale, acc_s, **kwargs):
@@ -232,9 +202,9 @@ class FlashFwdSm90:
             seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
             batch = SeqBounds.num_entries(batch, mSeqInfoQ, self.rows)
 
-        q_layout = _smem_layout(self.dtype, 64, D, self.num_wg)
-        k_layout = _smem_layout(self.dtype, self.tile_n, D, self.num_stages)
-        v_layout = _smem_layout(self.dtype, self.tile_n, D, self.num_stages)
+        q_layout = swizzled_smem_layout(self.dtype, 64, D, self.num_wg)
+        k_layout = swizzled_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
+        v_layout = swizzled_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
         slab_layout = cute.select(q_layout, mode=[0, 1])
 
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
