@@ -217,3 +217,23 @@ def test_llm_shapes_run_shipped_variants(b_k_major):
             config = choose_config("sm_90a", m, n, k)
             spec = sm90_gemm.spec("bf16", "bf16", True, b_k_major, False, None, config, 2)
             assert spec in shipped, (m, n, k, config)
+
+
+def test_heuristic_gives_configs_the_kernel_takes():
+    """Over sizes from one tile to many waves, batched or not, 16-bit and FP8 (rowwise and
+    blockwise): every config the heuristic picks is one the sm90 kernel accepts."""
+    import cutlass
+
+    from torch_cute_ops.kernels.sm90.gemm import Sm90Gemm
+    from torch_cute_ops.runtime.gemm import block_scaled_config
+
+    sizes = (1, 64, 65, 128, 200, 256, 512, 768, 1024, 4096, 16384)
+    for m in sizes:
+        for n in (64, 1000, 4096, 12288, 128256):
+            for k, batch in ((64, 1), (4096, 1), (1024, 8)):
+                config = choose_config("sm_90a", m, n, k, batch)
+                Sm90Gemm(cutlass.BFloat16, cutlass.BFloat16, True, False, False, None, config)
+                fp8 = choose_config("sm_90a", m, n, k, batch, fp8=True)
+                for mode, fp8_config in (("row", fp8), ("block", block_scaled_config(fp8))):
+                    Sm90Gemm(cutlass.Float8E4M3FN, cutlass.BFloat16, True, True, False, None, fp8_config,
+                             scale_mode=mode)

@@ -62,6 +62,7 @@ _DSL_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32
 TILE_K_BYTES = 128  # one smem row of a k-tile: the 128B swizzle atom (64 16-bit or 128 FP8 values)
 SCALE_MODES = (None, "tensor", "row", "block")
 SCALE_BLOCK = 128  # the K (and B's N) extent of one blockwise scale
+_SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
 _SMEM_RESERVED_BYTES = 1024  # mbarriers and alignment slack
 _MAX_AB_STAGES = 8
 
@@ -126,7 +127,7 @@ class Sm90Gemm:
     def _ab_stages(self) -> int:
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         stage_bytes = (tile_m * self.ab_dtype.width + tile_n * self.b_dtype.width) * tile_k // 8
-        free = utils.get_smem_capacity_in_bytes("sm_90") - _SMEM_RESERVED_BYTES - self._epi_smem_bytes()
+        free = _SMEM_CAPACITY - _SMEM_RESERVED_BYTES - self._epi_smem_bytes()
         return min(free // stage_bytes, _MAX_AB_STAGES)
 
     def _epi_smem_bytes(self) -> int:
