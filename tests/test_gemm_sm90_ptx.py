@@ -209,10 +209,11 @@ def test_config_heuristic():
 
 @pytest.mark.parametrize("b_k_major", [False, True], ids=["x@W", "x@W.T"])
 def test_llm_shapes_run_shipped_variants(b_k_major):
-    """Every bf16 GEMM of the LLM widths (N, K in 4096 / 12288 / 14336), M from 128 to 16384,
-    takes a prebuilt variant for row-major B and for nn.Linear's weight: none compiles on first use."""
+    """Every bf16 GEMM of the LLM widths (N, K in 4096 / 12288 / 14336), M from a decode step's 1
+    to 16384, takes a prebuilt variant for row-major B and for nn.Linear's weight: none compiles
+    on first use."""
     shipped = set(SHIPPED)
-    for m in (128, 256, 512, 1024, 4096, 16384):
+    for m in (1, 16, 64, 128, 256, 512, 1024, 4096, 16384):
         for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (12288, 4096)):
             config = choose_config("sm_90a", m, n, k)
             spec = sm90_gemm.spec("bf16", "bf16", True, b_k_major, False, None, config, 2)

@@ -298,12 +298,12 @@ def sm_count(device_index: int) -> int:
 def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
     """bf16 row-major A and B at the three big tiles, the fused bias + gelu_tanh MLP epilogue,
     nn.Linear's layout, the fp16 twin; 2-D operands (the eager common case), one batched; the
-    tiles the heuristic gives few-row problems (M = 128..512 at LLM widths), with row-major and
+    tiles the heuristic gives few-row problems (M up to 512 at LLM widths), with row-major and
     with nn.Linear's B; FP8 e4m3 -> bf16 with rowwise and with blockwise scales."""
     big, medium = GemmConfig(128, 256, 2, 1), GemmConfig(128, 128, 2, 1)
     short_k = GemmConfig(128, 192, 2, 1, pingpong=True)  # large M, N at K <= 1024
     few_rows = (medium, GemmConfig(128, 128), GemmConfig(128, 64), GemmConfig(128, 64, 2, 1),
-                GemmConfig(128, 192, 2, 1))
+                GemmConfig(128, 192, 2, 1), GemmConfig(64, 64), GemmConfig(64, 128))  # ... and M <= 64
     e4m3 = torch.float8_e4m3fn
     return [
         *(host.spec("bf16", "bf16", True, False, False, None, big, rank) for rank in (2, 3)),
