@@ -8,7 +8,7 @@ import torch
 
 from .lasting import PerTensor, capturing, outside_graph_pools
 
-BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL = 0, 1, 2  # kernels.common.flash_common's block statuses
+BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL = 0, 1, 2  # kernels.common.mask's block statuses
 
 
 def mask_kind(attn_mask) -> str:

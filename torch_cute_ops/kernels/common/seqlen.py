@@ -41,7 +41,7 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from .flash_common import DslState
+from .dsl_state import DslState
 
 
 ROW_LAYOUTS = ("dense", "packed", "padded", "ranged", "kvcache")

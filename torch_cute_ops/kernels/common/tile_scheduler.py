@@ -35,7 +35,10 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+from cutlass import const_expr
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
+
+from .dsl_state import DslState
 
 
 def _ceil_div(a, b: int):
@@ -125,3 +128,156 @@ class PersistentTileScheduler:
         tile_m_idx = cluster_m_idx * self.cluster_shape_mn[0] + Int32(block[0])
         tile_n_idx = cluster_n_idx * self.cluster_shape_mn[1] + Int32(block[1])
         return tile_m_idx, tile_n_idx, batch_idx
+
+
+# ---------------------------------------------------------------------------
+# attention: (query block, head, batch) tiles, static or dynamic
+# ---------------------------------------------------------------------------
+
+
+class AttentionTileScheduler(DslState):
+    """Persistent schedule of (m_block, head, batch) tiles, static or dynamic.
+
+    Tiles are numbered in sections of ``heads_per_section`` (batch, head) pairs;
+    inside a section the query block is the slow index and the head the fast one,
+    so the CTAs in flight share the K/V of a few heads (L2 reuse). With
+    ``longest_first`` (causal) query blocks run from the last (most keys) to the
+    first, so short tiles fill the tail of the schedule.
+
+    * static: CTA ``c`` of ``G`` takes one tile per wave of ``G`` tiles, in snake
+      order (:meth:`tile_of`); the work index advances by one.
+    * dynamic: the work index is the tile itself. A CTA starts at its block index
+      and then takes ``G + atomic_add(counter, 1)``: tiles are handed out in order
+      to whichever CTA frees up first (longest-processing-time first for causal),
+      and the kernel still prefetches the next tile under the current one.
+    """
+
+    dynamic_fields = ("num_m_blocks", "num_heads", "num_bh", "heads_per_section", "num_tiles")
+
+    def __init__(
+        self,
+        num_m_blocks: Int32,
+        num_heads: Int32,
+        num_batch: Int32,
+        heads_per_section: Int32,
+        longest_first: bool,
+        dynamic: bool = False,
+    ):
+        self.num_m_blocks = num_m_blocks
+        self.num_heads = num_heads
+        self.num_bh = num_heads * num_batch
+        self.heads_per_section = heads_per_section
+        self.longest_first = longest_first
+        self.dynamic = dynamic
+        self.num_tiles = num_m_blocks * self.num_bh
+
+    @staticmethod
+    def heads_per_section_for(seqlen_k: Int32, kv_bytes_per_key: int, num_bh: Int32,
+                              budget_bytes: int) -> Int32:
+        """How many (batch, head) pairs' K/V fit ``budget_bytes`` (at least 1), so that the
+        query blocks of one head reuse its K/V from L2 (H100/H200: 50 MB)."""
+        per_head = cutlass.max(seqlen_k, 1) * kv_bytes_per_key
+        return cutlass.max(cutlass.min(budget_bytes // per_head, num_bh), 1)
+
+    # Static: work w of CTA c is tile w * G + c on even waves and w * G + (G - 1 - c) on
+    # odd ones (snake order), so that a CTA that got one of the longest tiles of a wave
+    # gets one of the shortest of the next.
+    def first_tile(self) -> Int32:
+        if const_expr(self.dynamic):
+            return Int32(cute.arch.block_idx()[0])
+        return Int32(0)
+
+    def next_tile(self, work: Int32) -> Int32:
+        """Static schedules only; a dynamic one asks :meth:`claim_tile`."""
+        return work + 1
+
+    @cute.jit
+    def claim_tile(self, counter: cute.Tensor) -> Int32:
+        """Dynamic schedules: the next unclaimed tile (call from one whole warp).
+
+        Every CTA that starts on a tile claims once per tile it runs, the last claim returning
+        the end, so a launch makes exactly ``num_tiles`` claims: the one that returns
+        ``num_tiles - 1`` is the last of the launch, and it zeroes the counter for the next
+        launch on the stream (the host keeps one counter per stream instead of a fresh
+        zeroed one per call)."""
+        claimed = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            claimed = cute.arch.atomic_add(counter.iterator, Int32(1))
+            if claimed == self.num_tiles - 1:
+                counter[0] = Int32(0)
+        return Int32(cute.arch.grid_dim()[0]) + cute.arch.shuffle_sync(claimed, 0)
+
+    def tile_of(self, work: Int32) -> Int32:
+        if const_expr(self.dynamic):
+            return work
+        ctas = Int32(cute.arch.grid_dim()[0])
+        cta = Int32(cute.arch.block_idx()[0])
+        odd = work % 2
+        return work * ctas + cta + odd * (ctas - 1 - 2 * cta)
+
+    def is_valid(self, work: Int32):
+        return self.tile_of(work) < self.num_tiles
+
+    def coords(self, work: Int32) -> tuple:
+        """(m_block, head, batch) of this CTA's work item."""
+        tile = self.tile_of(work)
+        section_tiles = self.heads_per_section * self.num_m_blocks
+        section = tile // section_tiles
+        within = tile - section * section_tiles
+        first_bh = section * self.heads_per_section
+        heads_here = cutlass.min(self.heads_per_section, self.num_bh - first_bh)
+        m_idx = within // heads_here
+        bh = first_bh + within - m_idx * heads_here
+        m_block = m_idx
+        if const_expr(self.longest_first):
+            m_block = self.num_m_blocks - 1 - m_idx
+        batch = bh // self.num_heads
+        head = bh - batch * self.num_heads
+        return m_block, head, batch
+
+
+class TileSource(DslState):
+    """Where the producer warp and the consumer warpgroups of a kernel get their next tile.
+
+    A static schedule computes it in every role. A dynamic one has the producer warp
+    claim it right after issuing the current tile's loads and pass it on through a
+    two-slot smem pipeline, so the consumers walk the same tiles one step behind.
+    """
+
+    dynamic_fields = ("scheduler", "pipe", "slots", "counter")
+
+    def __init__(self, scheduler: AttentionTileScheduler, pipe, slots: cute.Tensor, counter: cute.Tensor):
+        self.scheduler = scheduler
+        self.pipe = pipe  # PipelineAsync(2 stages): producer warp -> consumer threads
+        self.slots = slots  # (2,) Int32 in smem
+        self.counter = counter
+
+    @cute.jit
+    def produce_next(self, tile: Int32, state) -> tuple:
+        """The producer warp's next tile (published to the consumers when dynamic) and the
+        advanced slot state; the caller reassigns both (a loop carries only what it assigns)."""
+        next_tile = tile
+        if const_expr(self.scheduler.dynamic):
+            next_tile = self.scheduler.claim_tile(self.counter)
+            self.pipe.producer_acquire(state)
+            if cute.arch.lane_idx() == 0:
+                self.slots[state.index] = next_tile
+            self.pipe.producer_commit(state)
+            state.advance()
+        else:
+            next_tile = self.scheduler.next_tile(tile)
+        return next_tile, state
+
+    @cute.jit
+    def consume_next(self, tile: Int32, state) -> tuple:
+        """A consumer thread's next tile (the one the producer warp published) and the
+        advanced slot state."""
+        next_tile = tile
+        if const_expr(self.scheduler.dynamic):
+            self.pipe.consumer_wait(state)
+            next_tile = self.slots[state.index]
+            self.pipe.consumer_release(state)
+            state.advance()
+        else:
+            next_tile = self.scheduler.next_tile(tile)
+        return next_tile, state

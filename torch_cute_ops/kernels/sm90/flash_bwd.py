@@ -57,8 +57,10 @@ from ...runtime.attention import STAT_PAD as _STAT_PAD
 from ...runtime.spec import KernelSpec
 from ..common.bulk import bulk_reduce_add_f32, nanosleep
 from ..common.flash_common import (
-    BLOCK_FULL, LOG2_E, acc_as_rows_cols, apply_attn_mask, apply_softcap, convert_to_16bit, key_blocks_reaching,
-    mask_scores, query_block_range, swizzled_smem_layout, tiled_wgmma, transposed_view, warpgroup_gemm,
+    LOG2_E, acc_as_rows_cols, convert_to_16bit, swizzled_smem_layout, tiled_wgmma, transposed_view, warpgroup_gemm,
+)
+from ..common.mask import (
+    BLOCK_FULL, apply_attn_mask, apply_softcap, key_blocks_reaching, mask_scores, query_block_range,
 )
 from ..common.mask_args import mask_fakes
 from ..common.seqlen import SeqBounds, seq_major, store_rows
@@ -96,7 +98,7 @@ class FlashBwdSm90:
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
-        self.local = local  # a (left, right) window, runtime bounds (see flash_common.KeyRange)
+        self.local = local  # a (left, right) window, runtime bounds (see mask.KeyRange)
         self.softcap = softcap  # soft-capped scores (runtime cap value), d tanh kept per score
         # where each batch entry's rows are: dense, packed (varlen) or padded (common.seqlen);
         # packed, the fp32 statistics and the dQ accumulator live in per-sequence padded rows

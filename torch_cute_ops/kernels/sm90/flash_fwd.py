@@ -15,7 +15,7 @@ warpgroup owns 64 query rows of a ``tile_m = 64 * num_wg`` query block.
   one WG's softmax runs under another's GEMMs;
 * causal masks only on the key blocks that cross the diagonal; blocks fully
   above it are never loaded;
-* a persistent scheduler (``flash_common.AttentionTileScheduler``): static for
+* a persistent scheduler (``tile_scheduler.AttentionTileScheduler``): static for
   equal-length tiles; causal tiles longest-first and claimed dynamically from an
   atomic counter by the producer warp, which passes each claim to the consumers
   through smem, so the next tile's loads overlap the current tile's epilogue;
@@ -38,26 +38,14 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ...runtime.attention import FwdConfig
 from ...runtime.spec import KernelSpec
 from ..common.flash_common import (
-    BLOCK_FULL,
-    LOG2_E,
-    AttentionTileScheduler,
-    apply_attn_mask,
-    apply_mask_words,
-    KeyRange,
-    OnlineSoftmax,
-    apply_softcap,
-    TileSource,
-    acc_as_operand_a,
-    acc_as_rows_cols,
-    convert_to_16bit,
-    load_mask_words,
-    mask_scores,
-    scale_rows,
-    swizzled_smem_layout,
-    tiled_wgmma,
-    transposed_view,
+    LOG2_E, acc_as_operand_a, acc_as_rows_cols, convert_to_16bit, swizzled_smem_layout, tiled_wgmma, transposed_view,
     warpgroup_gemm,
 )
+from ..common.mask import (
+    BLOCK_FULL, KeyRange, apply_attn_mask, apply_mask_words, apply_softcap, load_mask_words, mask_scores,
+)
+from ..common.softmax import OnlineSoftmax, scale_rows
+from ..common.tile_scheduler import AttentionTileScheduler, TileSource
 from ..common.seqlen import SeqBounds, gqa_rows, load_rows, seq_major, store_rows, zero_rows
 from ..common.mask_args import mask_fakes
 from ..common.split_kv import SplitKvCombine, split_fakes, store_partial
