@@ -228,6 +228,8 @@ def test_heuristic_gives_configs_the_kernel_takes():
     from torch_cute_ops.kernels.sm90.gemm import Sm90Gemm
     from torch_cute_ops.runtime.gemm import block_scaled_config
 
+    assert choose_config("sm_90a", 0, 4096, 4096).tile_m == 64  # an empty problem still gets a config
+    assert choose_config("sm_90a", 128, 0, 4096).tile_m == 128
     sizes = (1, 64, 65, 128, 200, 256, 512, 768, 1024, 4096, 16384)
     for m in sizes:
         for n in (64, 1000, 4096, 12288, 128256):

@@ -115,7 +115,7 @@ SM90_TILE_N_EFFICIENCY = {256: 1.0, 192: 0.93, 128: 0.85, 64: 0.6}
 
 def wave_fill(tiles: int, sm_count: int) -> float:
     """The share of the SMs' tile slots that ``tiles`` occupy over the waves they take."""
-    return tiles / (-(-tiles // sm_count) * sm_count)
+    return tiles / (max(-(-tiles // sm_count), 1) * sm_count)
 
 
 def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int, fp8: bool = False) -> GemmConfig:
