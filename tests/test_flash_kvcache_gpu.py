@@ -87,26 +87,28 @@ def test_append_then_attend(case):
     _close("lse", lse, ref_lse, 1e-3)
 
 
-# (batch, seqlen_q, heads_q, heads_kv, capacity, causal, window_left, softcap)
+# (batch, seqlen_q, heads_q, heads_kv, capacity, causal, window_left, softcap, head_dim)
 RANGED = [
-    (3, 1, 32, 8, 2048, True, -1, 0.0),
-    (2, 4, 16, 4, 1024, True, -1, 0.0),
-    (2, 1, 32, 8, 16384, True, -1, 0.0),  # split-KV
-    (3, 7, 8, 2, 640, True, 100, 20.0),
-    (2, 1, 8, 8, 512, False, -1, 0.0),
+    (3, 1, 32, 8, 2048, True, -1, 0.0, 128),
+    (2, 4, 16, 4, 1024, True, -1, 0.0, 128),
+    (2, 1, 32, 8, 16384, True, -1, 0.0, 128),  # split-KV
+    (3, 7, 8, 2, 640, True, 100, 20.0, 128),
+    (2, 1, 8, 8, 512, False, -1, 0.0, 128),
+    (3, 1, 32, 8, 2048, True, -1, 0.0, 64),  # the shipped D64 decode variants (small GQA models)
+    (2, 1, 32, 8, 16384, True, -1, 0.0, 64),
 ]
 
 
-@pytest.mark.parametrize("case", RANGED, ids=[f"b{c[0]}-sq{c[1]}-h{c[2]}/{c[3]}-cap{c[4]}-w{c[6]}-cap{c[7]:g}"
+@pytest.mark.parametrize("case", RANGED, ids=[f"b{c[0]}-sq{c[1]}-h{c[2]}/{c[3]}-cap{c[4]}-w{c[6]}-cap{c[7]:g}-d{c[8]}"
                                               for c in RANGED])
 def test_left_padded_heads_major_cache(case):
     """transformers' cache layout, (B, H_kv, capacity, D) storage seen as (B, capacity, H_kv, D), with
     cache_leftpad: each entry attends to keys [leftpad, length + new) on the kernels (ranged rows)."""
-    batch, s_q, h_q, h_kv, cap, causal, left, softcap = case
+    batch, s_q, h_q, h_kv, cap, causal, left, softcap, d = case
     gen = torch.Generator(device="cuda").manual_seed(cap + 7 * s_q)
     rand = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).bfloat16()  # noqa: E731
-    k_cache, v_cache = (rand(batch, h_kv, cap, 128).transpose(1, 2) for _ in range(2))
-    q, k, v = rand(batch, s_q, h_q, 128), rand(batch, s_q, h_kv, 128), rand(batch, s_q, h_kv, 128)
+    k_cache, v_cache = (rand(batch, h_kv, cap, d).transpose(1, 2) for _ in range(2))
+    q, k, v = rand(batch, s_q, h_q, d), rand(batch, s_q, h_kv, d), rand(batch, s_q, h_kv, d)
     lengths = [cap - s_q, 300, 1][:batch]
     starts = [0, 123, 1][:batch]
     cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
