@@ -107,9 +107,10 @@ SM90_PINGPONG_MAX_K = 1024
 
 
 # Throughput of a 128-row cooperative tile per SM relative to 128 x 256 (16-bit, H100): the
-# narrower the tile, the more A and B bytes it loads per MMA. Fitted to bench_gemm.py configs
-# at M = 256..1024 (see bench/NOTES.md, session 19): 128 x 192 at one full wave ran at 0.92-0.98
-# of 128 x 256 at one full wave; 128 x 64 wins only where it fills several times the SMs.
+# narrower the tile, the more A and B bytes it loads per MMA. Fitted to bench_gemm.py config
+# columns at M = 128..1024 (bench/NOTES.md, session 19): at equal wave fill 128 x 192 ran at
+# 0.92-0.98 of 128 x 256; 128 x 64 wins only where the wider tiles leave half the SMs or more
+# idle (M = 128 and 256 at N = 4096).
 SM90_TILE_N_EFFICIENCY = {256: 1.0, 192: 0.93, 128: 0.85, 64: 0.6}
 
 
