@@ -176,6 +176,27 @@ def test_ranged_launches(launches):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("batch,heads,kv_heads,capacity", [(1, 32, 8, 1024), (8, 32, 8, 4096), (64, 32, 8, 4096),
+                                                            (1, 32, 8, 32768), (4, 16, 16, 2048)])
+def test_one_token_decode_from_a_paged_cache_is_prebuilt(launches, batch, heads, kv_heads, capacity, head_dim):
+    """A one-token decode step against a paged cache (256-token pages, as the kvcache op plans it)
+    runs a shipped variant, whatever the batch, capacity, GQA group, split or head dim."""
+    q, _, _ = _qkv(batch=batch, seqlen_q=1, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    pages_per_entry = capacity // 256
+    k_cache = torch.randn(batch * pages_per_entry, 256, kv_heads, head_dim).bfloat16()
+    page_table = torch.arange(batch * pages_per_entry, dtype=torch.int32).view(batch, pages_per_entry)
+    key_lengths = torch.full((batch,), capacity, dtype=torch.int32)
+    rows_view = k_cache.reshape(1, -1, kv_heads, head_dim)
+    config = flash_host.kvcache_config(head_dim, 256)
+    plan = flash_host.plan_fwd(q, rows_view, rows_view, False, config, rows="kvcache", keys_per_entry=capacity)
+    out, lse = _fwd_outputs(q)
+    plan.kvcache(q, k_cache, k_cache, key_lengths, page_table, 256, out, lse, 0.1)
+    ((spec, args),) = launches
+    assert spec in flash_host.shipped("sm_90a"), spec
+    _check_agreement(spec, args)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("batch,heads,kv_heads,seqlen_k", [(1, 32, 8, 1024), (8, 32, 8, 4096), (64, 32, 8, 4096),
                                                            (1, 32, 8, 32768), (4, 16, 16, 2048), (2, 64, 8, 8192)])
 def test_one_token_decode_from_a_contiguous_cache_is_prebuilt(launches, batch, heads, kv_heads, seqlen_k, head_dim):

@@ -179,9 +179,9 @@ def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", loca
 
 
 def shipped(arch: str) -> list[KernelSpec]:
-    """Forward: bf16 at the common head dims, padded batches, KV-cache and split-KV decode at
-    D128, transformers' caches (prefill and decode) at D64 and D128; backward: bf16 and fp16 at D64/D128. Other
-    variants compile on first use."""
+    """Forward: bf16 at the common head dims, padded batches, split-KV decode, one-token decode
+    from transformers' caches (and their prefill) and from paged caches at D64 and D128;
+    backward: bf16 and fp16 at D64/D128. Other variants compile on first use."""
     if arch != "sm_90a":
         return []
     fwd = [fwd_spec("bf16", h, c) for h in (64, 128, 256) for c in (False, True)]
@@ -189,18 +189,18 @@ def shipped(arch: str) -> list[KernelSpec]:
     fwd += [fwd_spec("bf16", h, False, local=True) for h in (64, 128, 256)]  # sliding windows
     # Gemma 2's layers (cap 50: bounded scores)
     fwd += [fwd_spec("bf16", 256, c, local=not c, softcap=True, bounded_scores=True) for c in (False, True)]
-    # padded batches (transformers), decode from a KV cache and long-cache decode (split-KV)
+    # padded batches (transformers), long-cache decode without a cache (split-KV)
     fwd.append(fwd_spec("bf16", 128, True, rows="padded"))
-    fwd += [fwd_spec("bf16", 128, False, rows="kvcache", split_kv=split) for split in (False, True)]
     fwd.append(fwd_spec("bf16", 128, False, split_kv=True))
-    # transformers' caches (ranged rows): the prompt against a static cache, and one-token decode
-    # (pack-GQA) on one warpgroup (short caches) or two, whole or split; D128 and D64 (the small
-    # GQA models: Llama 3.2 1B, Qwen 2.5 0.5B)
+    # one-token decode (pack-GQA) on one warpgroup (short caches) or two, whole or split, from
+    # transformers' caches (ranged rows, with the prompt against a static cache) and from paged
+    # ones (page tables); D128 and D64 (the small GQA models: Llama 3.2 1B, Qwen 2.5 0.5B)
     for head_dim in (64, 128):
         fwd.append(fwd_spec("bf16", head_dim, True, rows="ranged"))
         decode = config_for(head_dim, False, ragged=True)
-        fwd += [fwd_spec("bf16", head_dim, False, config, rows="ranged", split_kv=split)
-                for config in (decode, _one_warpgroup_decode(decode, head_dim, 2)) for split in (False, True)]
+        fwd += [fwd_spec("bf16", head_dim, False, config, rows=rows, split_kv=split)
+                for rows in ("ranged", "kvcache") for config in (decode, _one_warpgroup_decode(decode, head_dim, 2))
+                for split in (False, True)]
     bwd = [bwd_spec(d, h, c) for d in ("bf16", "fp16") for h in (64, 128) for c in (False, True)]
     bwd += [bwd_spec("bf16", h, False, local=True) for h in (64, 128)]
     bwd.append(bwd_spec("bf16", 128, True, rows="padded"))
