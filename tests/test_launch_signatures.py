@@ -176,6 +176,22 @@ def test_ranged_launches(launches):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
+def test_causal_training_layouts_are_prebuilt(launches, monkeypatch, head_dim):
+    """Causal bf16 attention as models train it, dense, padded and packed (varlen), forward and
+    backward, runs shipped variants: a training process's first step compiles nothing."""
+    planned = []
+    monkeypatch.setattr(flash_host, "get_compiled", planned.append)
+    q, k, v = _qkv(batch=2, seqlen_q=2048, seqlen_k=2048, heads=16, kv_heads=16, head_dim=head_dim)
+    packed = [t.flatten(0, 1) for t in (q, k, v)]
+    for rows, qkv in (("dense", (q, k, v)), ("padded", (q, k, v)), ("packed", packed)):
+        flash_host.plan_fwd(*qkv, True, rows=rows)
+        flash_host.plan_bwd(*qkv, True, rows=rows)
+    shipped = set(flash_host.shipped("sm_90a"))
+    assert len(planned) == 6 and all(spec in shipped for spec in planned), [
+        spec.name for spec in planned if spec not in shipped]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("batch,heads,kv_heads,capacity", [(1, 32, 8, 1024), (8, 32, 8, 4096), (64, 32, 8, 4096),
                                                             (1, 32, 8, 32768), (4, 16, 16, 2048)])
 def test_one_token_decode_from_a_paged_cache_is_prebuilt(launches, batch, heads, kv_heads, capacity, head_dim):

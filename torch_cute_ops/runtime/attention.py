@@ -179,9 +179,10 @@ def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", loca
 
 
 def shipped(arch: str) -> list[KernelSpec]:
-    """Forward: bf16 at the common head dims, padded batches, split-KV decode, one-token decode
-    from transformers' caches (and their prefill) and from paged caches at D64 and D128;
-    backward: bf16 and fp16 at D64/D128. Other variants compile on first use."""
+    """Forward: bf16 at the common head dims, causal padded and packed batches at D64 and D128,
+    split-KV decode, one-token decode from transformers' caches (and their prefill) and from
+    paged caches at D64 and D128; backward: bf16 and fp16 at D64/D128, causal padded and packed
+    bf16. Other variants compile on first use."""
     if arch != "sm_90a":
         return []
     fwd = [fwd_spec("bf16", h, c) for h in (64, 128, 256) for c in (False, True)]
@@ -189,8 +190,9 @@ def shipped(arch: str) -> list[KernelSpec]:
     fwd += [fwd_spec("bf16", h, False, local=True) for h in (64, 128, 256)]  # sliding windows
     # Gemma 2's layers (cap 50: bounded scores)
     fwd += [fwd_spec("bf16", 256, c, local=not c, softcap=True, bounded_scores=True) for c in (False, True)]
-    # padded batches (transformers), long-cache decode without a cache (split-KV)
-    fwd.append(fwd_spec("bf16", 128, True, rows="padded"))
+    # padded (transformers) and packed (varlen) batches as models train them; long-cache decode
+    # without a cache (split-KV)
+    fwd += [fwd_spec("bf16", h, True, rows=rows) for h in (64, 128) for rows in ("padded", "packed")]
     fwd.append(fwd_spec("bf16", 128, False, split_kv=True))
     # one-token decode (pack-GQA) on one warpgroup (short caches) or two, whole or split, from
     # transformers' caches (ranged rows, with the prompt against a static cache) and from paged
@@ -203,7 +205,7 @@ def shipped(arch: str) -> list[KernelSpec]:
                 for split in (False, True)]
     bwd = [bwd_spec(d, h, c) for d in ("bf16", "fp16") for h in (64, 128) for c in (False, True)]
     bwd += [bwd_spec("bf16", h, False, local=True) for h in (64, 128)]
-    bwd.append(bwd_spec("bf16", 128, True, rows="padded"))
+    bwd += [bwd_spec("bf16", h, True, rows=rows) for h in (64, 128) for rows in ("padded", "packed")]
     return fwd + bwd
 
 
