@@ -240,3 +240,33 @@ def test_heuristic_gives_configs_the_kernel_takes():
                 for mode, fp8_config in (("row", fp8), ("block", block_scaled_config(fp8))):
                     Sm90Gemm(cutlass.Float8E4M3FN, cutlass.BFloat16, True, True, False, None, fp8_config,
                              scale_mode=mode)
+
+
+@pytest.mark.parametrize("tokens", [4096, 16384])
+@pytest.mark.parametrize("weight_layout", ["x@W.T", "x@W"])
+def test_linear_training_gemms_are_prebuilt(monkeypatch, tokens, weight_layout):
+    """A bf16 linear layer's three GEMMs as autograd issues them (ops/gemm.py: y = x @ B,
+    dx = dy @ B^T, dB = x^T @ dy, transposed views) at LLM widths take shipped variants: a
+    training process's first step compiles no GEMM."""
+    import torch_cute_ops.runtime.gemm as gemm_host
+
+    planned = []
+    monkeypatch.setattr(gemm_host, "get_compiled", planned.append)
+    monkeypatch.setattr(gemm_host, "sm_count", lambda index: 132)
+    bf16 = torch.bfloat16
+
+    def plan(a, b):
+        launch = sm90_gemm.plan(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), bf16, None, None, bf16, 0)
+        assert not isinstance(launch, str), launch
+
+    for n_in, n_out in ((4096, 4096), (4096, 14336), (14336, 4096), (4096, 12288)):
+        x = torch.empty(tokens, n_in, dtype=bf16, device="meta")
+        dy = torch.empty(tokens, n_out, dtype=bf16, device="meta")
+        w = torch.empty(n_out, n_in, dtype=bf16, device="meta")  # nn.Linear's weight
+        b = w.t() if weight_layout == "x@W.T" else torch.empty(n_in, n_out, dtype=bf16, device="meta")
+        plan(x, b)  # forward
+        plan(dy, b.mT)  # dx
+        plan(x.mT, dy)  # dB
+    shipped = set(SHIPPED)
+    assert len(planned) == 12 and all(spec in shipped for spec in planned), sorted(
+        {spec.name for spec in planned if spec not in shipped})

@@ -297,9 +297,10 @@ def sm_count(device_index: int) -> int:
 
 def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
     """bf16 row-major A and B at the three big tiles, the fused bias + gelu_tanh MLP epilogue,
-    nn.Linear's layout, the fp16 twin; 2-D operands (the eager common case), one batched; the
-    tiles the heuristic gives few-row problems (M up to 512 at LLM widths), with row-major and
-    with nn.Linear's B; FP8 e4m3 -> bf16 with rowwise and with blockwise scales."""
+    nn.Linear's layout and its backward's (dW = x^T @ dy: M-major A), the fp16 twin; 2-D
+    operands (the eager common case), one batched; the tiles the heuristic gives few-row
+    problems (M up to 512 at LLM widths), with row-major and with nn.Linear's B; FP8 e4m3 ->
+    bf16 with rowwise and with blockwise scales."""
     big, medium = GemmConfig(128, 256, 2, 1), GemmConfig(128, 128, 2, 1)
     short_k = GemmConfig(128, 192, 2, 1, pingpong=True)  # large M, N at K <= 1024
     few_rows = (medium, GemmConfig(128, 128), GemmConfig(128, 64), GemmConfig(128, 64, 2, 1),
@@ -309,6 +310,7 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
         *(host.spec("bf16", "bf16", True, False, False, None, big, rank) for rank in (2, 3)),
         # x @ W.T [+ b]: nn.Linear's weight is K-major B
         *(host.spec("bf16", "bf16", True, True, has_bias, None, big, 2) for has_bias in (False, True)),
+        host.spec("bf16", "bf16", False, False, False, None, big, 2),  # a weight's gradient, x^T @ dy
         *(host.spec("bf16", "bf16", True, b_k_major, False, None, config, 2)
           for config in few_rows for b_k_major in (False, True)),
         host.spec("bf16", "bf16", True, False, False, None, short_k, 2),
