@@ -176,9 +176,10 @@ def test_ranged_launches(launches):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_causal_training_layouts_are_prebuilt(launches, monkeypatch, head_dim):
-    """Causal bf16 attention as models train it, dense, padded and packed (varlen), forward and
-    backward, runs shipped variants: a training process's first step compiles nothing."""
+def test_training_layouts_are_prebuilt(launches, monkeypatch, head_dim):
+    """bf16 attention as models train it, causal dense, padded and packed (varlen), and under a
+    bool or additive attn_mask, forward and backward, runs shipped variants: a training
+    process's first step compiles nothing."""
     planned = []
     monkeypatch.setattr(flash_host, "get_compiled", planned.append)
     q, k, v = _qkv(batch=2, seqlen_q=2048, seqlen_k=2048, heads=16, kv_heads=16, head_dim=head_dim)
@@ -186,8 +187,12 @@ def test_causal_training_layouts_are_prebuilt(launches, monkeypatch, head_dim):
     for rows, qkv in (("dense", (q, k, v)), ("padded", (q, k, v)), ("packed", packed)):
         flash_host.plan_fwd(*qkv, True, rows=rows)
         flash_host.plan_bwd(*qkv, True, rows=rows)
+    # the SDPA drop-in with a mask (bool or additive; the mask then carries any causal part)
+    for kind in ("bool", "add"):
+        flash_host.plan_fwd(q, k, v, False, attn_mask=kind)
+        flash_host.plan_bwd(q, k, v, False, attn_mask=kind)
     shipped = set(flash_host.shipped("sm_90a"))
-    assert len(planned) == 6 and all(spec in shipped for spec in planned), [
+    assert len(planned) == 10 and all(spec in shipped for spec in planned), [
         spec.name for spec in planned if spec not in shipped]
 
 

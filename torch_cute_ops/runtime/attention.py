@@ -179,10 +179,12 @@ def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", loca
 
 
 def shipped(arch: str) -> list[KernelSpec]:
-    """Forward: bf16 at the common head dims, causal padded and packed batches at D64 and D128,
-    split-KV decode, one-token decode from transformers' caches (and their prefill) and from
-    paged caches at D64 and D128; backward: bf16 and fp16 at D64/D128, causal padded and packed
-    bf16. Other variants compile on first use."""
+    """The variants the package ships (prebuilt by ``aot``): those a model's first steps plan.
+
+    Forward: bf16 at the common head dims, causal padded and packed batches and bool and
+    additive attn_masks at D64 and D128, split-KV decode, one-token decode from transformers'
+    caches (and their prefill) and from paged caches at D64 and D128. Backward: bf16 and fp16
+    at D64 and D128, bf16 causal padded and packed, and masked. Others compile on first use."""
     if arch != "sm_90a":
         return []
     fwd = [fwd_spec("bf16", h, c) for h in (64, 128, 256) for c in (False, True)]
@@ -193,6 +195,9 @@ def shipped(arch: str) -> list[KernelSpec]:
     # padded (transformers) and packed (varlen) batches as models train them; long-cache decode
     # without a cache (split-KV)
     fwd += [fwd_spec("bf16", h, True, rows=rows) for h in (64, 128) for rows in ("padded", "packed")]
+    # the SDPA drop-in under a bool or additive attn_mask
+    masked = [(h, kind) for h in (64, 128) for kind in ("bool", "add")]
+    fwd += [fwd_spec("bf16", h, False, config_for(h, False, ragged=True), attn_mask=kind) for h, kind in masked]
     fwd.append(fwd_spec("bf16", 128, False, split_kv=True))
     # one-token decode (pack-GQA) on one warpgroup (short caches) or two, whole or split, from
     # transformers' caches (ranged rows, with the prompt against a static cache) and from paged
@@ -206,6 +211,7 @@ def shipped(arch: str) -> list[KernelSpec]:
     bwd = [bwd_spec(d, h, c) for d in ("bf16", "fp16") for h in (64, 128) for c in (False, True)]
     bwd += [bwd_spec("bf16", h, False, local=True) for h in (64, 128)]
     bwd += [bwd_spec("bf16", h, True, rows=rows) for h in (64, 128) for rows in ("padded", "packed")]
+    bwd += [bwd_spec("bf16", h, False, attn_mask=kind) for h, kind in masked]
     return fwd + bwd
 
 
