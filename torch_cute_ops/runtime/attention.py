@@ -192,13 +192,12 @@ def shipped(arch: str) -> list[KernelSpec]:
     fwd += [fwd_spec("bf16", h, False, local=True) for h in (64, 128, 256)]  # sliding windows
     # Gemma 2's layers (cap 50: bounded scores)
     fwd += [fwd_spec("bf16", 256, c, local=not c, softcap=True, bounded_scores=True) for c in (False, True)]
-    # padded (transformers) and packed (varlen) batches as models train them; long-cache decode
-    # without a cache (split-KV)
+    # padded (transformers) and packed (varlen) batches as models train them
     fwd += [fwd_spec("bf16", h, True, rows=rows) for h in (64, 128) for rows in ("padded", "packed")]
     # the SDPA drop-in under a bool or additive attn_mask
     masked = [(h, kind) for h in (64, 128) for kind in ("bool", "add")]
     fwd += [fwd_spec("bf16", h, False, config_for(h, False, ragged=True), attn_mask=kind) for h, kind in masked]
-    fwd.append(fwd_spec("bf16", 128, False, split_kv=True))
+    fwd.append(fwd_spec("bf16", 128, False, split_kv=True))  # long-cache decode without a cache
     # one-token decode (pack-GQA) on one warpgroup (short caches) or two, whole or split, from
     # transformers' caches (ranged rows, with the prompt against a static cache) and from paged
     # ones (page tables); D128 and D64 (the small GQA models: Llama 3.2 1B, Qwen 2.5 0.5B)
