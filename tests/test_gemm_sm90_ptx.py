@@ -270,3 +270,18 @@ def test_linear_training_gemms_are_prebuilt(monkeypatch, tokens, weight_layout):
     shipped = set(SHIPPED)
     assert len(planned) == 12 and all(spec in shipped for spec in planned), sorted(
         {spec.name for spec in planned if spec not in shipped})
+
+
+@pytest.mark.parametrize("mode", ["row", "block"])
+def test_fp8_llm_shapes_run_shipped_variants(mode):
+    """FP8 e4m3 -> bf16 GEMMs with rowwise or blockwise scales at the LLM widths, from a decode
+    step's M = 1 to 16384 (K-major operands: x @ W.T), take prebuilt variants."""
+    from torch_cute_ops.runtime.gemm import block_scaled_config, scaled_spec
+
+    e4m3, shipped = torch.float8_e4m3fn, set(SHIPPED)
+    for m in (1, 16, 64, 128, 256, 512, 1024, 4096, 16384):
+        for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (12288, 4096)):
+            config = choose_config("sm_90a", m, n, k, fp8=True)
+            config = block_scaled_config(config) if mode == "block" else config
+            spec = scaled_spec(sm90_gemm, e4m3, e4m3, torch.bfloat16, None, mode, None, config, 2)
+            assert spec in shipped, (m, n, k, config)

@@ -300,7 +300,7 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
     nn.Linear's layout and its backward's (dW = x^T @ dy: M-major A), the fp16 twin; 2-D
     operands (the eager common case), one batched; the tiles the heuristic gives few-row
     problems (M up to 512 at LLM widths), with row-major and with nn.Linear's B; FP8 e4m3 ->
-    bf16 with rowwise and with blockwise scales."""
+    bf16 with rowwise and with blockwise scales at the tiles LLM widths take from M = 1."""
     big, medium = GemmConfig(128, 256, 2, 1), GemmConfig(128, 128, 2, 1)
     short_k = GemmConfig(128, 192, 2, 1, pingpong=True)  # large M, N at K <= 1024
     few_rows = (medium, GemmConfig(128, 128), GemmConfig(128, 64), GemmConfig(128, 64, 2, 1),
@@ -316,8 +316,11 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
         host.spec("bf16", "bf16", True, False, False, None, short_k, 2),
         host.spec("bf16", "bf16", True, False, True, "gelu_tanh", big, 2),
         host.spec("fp16", "fp16", True, False, False, None, big, 2),
-        scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "row", None, big, 2),
-        scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "block", None, medium, 2),
+        # FP8 x @ W.T at the tiles the heuristic gives it from a decode step's M up
+        *(scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "row", None, config, 2)
+          for config in (big, medium, GemmConfig(128, 128), GemmConfig(64, 64))),
+        *(scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "block", None, config, 2)
+          for config in (medium, GemmConfig(128, 128), GemmConfig(64, 64))),
     ]
 
 
