@@ -96,6 +96,8 @@ RANGED = [
     (2, 1, 8, 8, 512, False, -1, 0.0, 128),
     (3, 1, 32, 8, 2048, True, -1, 0.0, 64),  # the shipped D64 decode variants (small GQA models)
     (2, 1, 32, 8, 16384, True, -1, 0.0, 64),
+    (2, 1, 16, 8, 4096, True, -1, 50.0, 256),  # Gemma 2's decode: D256, softcap 50, global ...
+    (2, 1, 16, 8, 16384, True, 4095, 50.0, 256),  # ... and sliding-window layers
 ]
 
 

@@ -175,6 +175,23 @@ def test_ranged_launches(launches):
         _check_agreement(spec, args)
 
 
+def test_gemma2_serving_is_prebuilt(launches, monkeypatch):
+    """Gemma 2 served from transformers' caches (D256, softcap 50, global and 4096-key window
+    layers): the prompt and one-token decode steps at short and long caches run shipped variants."""
+    planned = []
+    monkeypatch.setattr(flash_host, "get_compiled", planned.append)
+    for batch, seqlen_k in ((1, 1024), (8, 4096), (1, 32768)):
+        q, k, v = _qkv(batch=batch, seqlen_q=1, seqlen_k=seqlen_k, heads=16, kv_heads=8, head_dim=256)
+        for window_left in (None, 4095):
+            causal, local, _, _ = flash_host.kernel_band(True, window_left, None, 1, seqlen_k)
+            flash_host.plan_fwd(q, k, v, causal, local=local, softcap=50.0, rows="ranged")
+        prompt, _, _ = _qkv(batch=batch, seqlen_q=512, seqlen_k=seqlen_k, heads=16, kv_heads=8, head_dim=256)
+        flash_host.plan_fwd(prompt, k, v, True, softcap=50.0, rows="ranged")
+    shipped = set(flash_host.shipped("sm_90a"))
+    assert len(planned) == 9 and all(spec in shipped for spec in planned), sorted(
+        {spec.name for spec in planned if spec not in shipped})
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_training_layouts_are_prebuilt(launches, monkeypatch, head_dim):
     """bf16 attention as models train it, causal dense, padded and packed (varlen), and under a

@@ -183,7 +183,8 @@ def shipped(arch: str) -> list[KernelSpec]:
 
     Forward: bf16 at the common head dims, causal padded and packed batches and bool and
     additive attn_masks at D64 and D128, split-KV decode, one-token decode from transformers'
-    caches (and their prefill) and from paged caches at D64 and D128. Backward: bf16 and fp16
+    caches (and their prefill) and from paged caches at D64 and D128, and Gemma 2's (D256,
+    softcap) from transformers' caches. Backward: bf16 and fp16
     at D64 and D128, bf16 causal padded and packed, and masked. Others compile on first use."""
     if arch != "sm_90a":
         return []
@@ -207,6 +208,15 @@ def shipped(arch: str) -> list[KernelSpec]:
         fwd += [fwd_spec("bf16", head_dim, False, config, rows=rows, split_kv=split)
                 for rows in ("ranged", "kvcache") for config in (decode, _one_warpgroup_decode(decode, head_dim, 2))
                 for split in (False, True)]
+    # Gemma 2 served from transformers' caches (D256, softcap 50: bounded scores): the prompt, and
+    # one-token decode over global and sliding-window layers, whole or split
+    gemma = {"softcap": True, "bounded_scores": True}
+    decode = config_for(256, False, ragged=True)
+    fwd.append(fwd_spec("bf16", 256, True, rows="ranged", **gemma))
+    fwd += [fwd_spec("bf16", 256, False, decode, rows="ranged", local=local, split_kv=split, **gemma)
+            for local in (False, True) for split in (False, True)]
+    fwd.append(fwd_spec("bf16", 256, False, _one_warpgroup_decode(decode, 256, 2), rows="ranged", split_kv=True,
+                        **gemma))
     bwd = [bwd_spec(d, h, c) for d in ("bf16", "fp16") for h in (64, 128) for c in (False, True)]
     bwd += [bwd_spec("bf16", h, False, local=True) for h in (64, 128)]
     bwd += [bwd_spec("bf16", h, True, rows=rows) for h in (64, 128) for rows in ("padded", "packed")]
