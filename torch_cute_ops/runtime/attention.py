@@ -184,8 +184,8 @@ def shipped(arch: str) -> list[KernelSpec]:
     Forward: bf16 at the common head dims, causal padded and packed batches and bool and
     additive attn_masks at D64 and D128, split-KV decode, one-token decode from transformers'
     caches (and their prefill) and from paged caches at D64 and D128, and Gemma 2's (D256,
-    softcap) from transformers' caches. Backward: bf16 and fp16
-    at D64 and D128, bf16 causal padded and packed, and masked. Others compile on first use."""
+    softcap) from transformers' caches. Backward: bf16 and fp16 at D64 and D128, bf16 causal
+    padded and packed, and masked. Others compile on first use."""
     if arch != "sm_90a":
         return []
     fwd = [fwd_spec("bf16", h, c) for h in (64, 128, 256) for c in (False, True)]

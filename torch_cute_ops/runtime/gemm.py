@@ -303,8 +303,10 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
     bf16 with rowwise and with blockwise scales at the tiles LLM widths take from M = 1."""
     big, medium = GemmConfig(128, 256, 2, 1), GemmConfig(128, 128, 2, 1)
     short_k = GemmConfig(128, 192, 2, 1, pingpong=True)  # large M, N at K <= 1024
-    few_rows = (medium, GemmConfig(128, 128), GemmConfig(128, 64), GemmConfig(128, 64, 2, 1),
-                GemmConfig(128, 192, 2, 1), GemmConfig(64, 64), GemmConfig(64, 128))  # ... and M <= 64
+    one_row_of_tiles, m64 = GemmConfig(128, 128), GemmConfig(64, 64)  # M <= 128, M <= 64
+    few_rows = (medium, one_row_of_tiles, GemmConfig(128, 64), GemmConfig(128, 64, 2, 1), GemmConfig(128, 192, 2, 1),
+                m64, GemmConfig(64, 128))
+    fp8_small = (medium, one_row_of_tiles, m64)  # FP8's tiles below 128 x 256 (blockwise: all of them)
     e4m3 = torch.float8_e4m3fn
     return [
         *(host.spec("bf16", "bf16", True, False, False, None, big, rank) for rank in (2, 3)),
@@ -317,10 +319,8 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
         host.spec("bf16", "bf16", True, False, True, "gelu_tanh", big, 2),
         host.spec("fp16", "fp16", True, False, False, None, big, 2),
         # FP8 x @ W.T at the tiles the heuristic gives it from a decode step's M up
-        *(scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "row", None, config, 2)
-          for config in (big, medium, GemmConfig(128, 128), GemmConfig(64, 64))),
-        *(scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "block", None, config, 2)
-          for config in (medium, GemmConfig(128, 128), GemmConfig(64, 64))),
+        *(scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "row", None, config, 2) for config in (big, *fp8_small)),
+        *(scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "block", None, config, 2) for config in fp8_small),
     ]
 
 
