@@ -130,7 +130,8 @@ def test_fp32_out(dtype):
 
 CONFIGS = [(128, 256, 2, 1, False), (128, 128, 1, 1, False), (128, 128, 1, 2, False), (64, 128, 1, 1, False),
            (64, 64, 1, 1, False), (128, 128, 2, 1, True), (128, 192, 1, 1, True), (128, 192, 2, 1, True),
-           (64, 256, 1, 2, True), (128, 64, 1, 1, False), (128, 64, 2, 1, False), (128, 192, 2, 1, False)]
+           (64, 256, 1, 2, True), (128, 64, 1, 1, False), (128, 64, 2, 1, False), (128, 192, 2, 1, False),
+           (64, 64, 2, 1, False)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "{}x{}_c{}x{}_pp{:d}".format(*c))

@@ -23,7 +23,9 @@ def _ptx(dump_dir):
     return ptx_files[0].read_text()
 
 
-@pytest.mark.parametrize("spec", [SHIPPED[0], next(s for s in SHIPPED if s["tile"] == (128, 128))],
+@pytest.mark.parametrize("spec", [SHIPPED[0], next(s for s in SHIPPED if s["tile"] == (128, 128)),
+                                  # the deepest ring: 64 x 64 tiles take 13 stages
+                                  next(s for s in SHIPPED if s["tile"] == (64, 64) and s["cluster"] == (2, 1))],
                          ids=lambda s: s.name)
 def test_shipped_ptx(spec, tmp_path):
     compile_spec(spec, dump_dir=tmp_path)
@@ -188,17 +190,21 @@ def test_config_heuristic():
     assert choose_config("sm_90a", 8192, 8192, 8192).tile_mn == (128, 256)
     assert choose_config("sm_90a", 8192, 8192, 8192).cluster_mn == (2, 1)
     assert choose_config("sm_90a", 32, 4096, 4096).tile_m == 64
-    # few rows at LLM widths: more, narrower tiles where 128 x 128 would leave SMs idle ...
-    assert _mn(choose_config("sm_90a", 128, 4096, 4096)) == ((128, 64), (1, 1))
+    # few rows at LLM widths: more, narrower tiles where 128 x 128 would leave SMs idle; one
+    # row of 128 x 64 tiles becomes two of 64 x 64 in 2 x 1 clusters (twice the CTAs, B read once)
+    assert _mn(choose_config("sm_90a", 128, 4096, 4096)) == ((64, 64), (2, 1))
+    assert _mn(choose_config("sm_90a", 128, 4096, 14336)) == ((64, 64), (2, 1))
     assert _mn(choose_config("sm_90a", 256, 4096, 14336)) == ((128, 64), (2, 1))
-    # ... 128 x 192 where it makes one full wave (128 tiles; 128 x 256 makes 96, 128 x 128 192)
-    assert _mn(choose_config("sm_90a", 256, 12288, 4096)) == ((128, 192), (2, 1))
-    assert choose_config("sm_90a", 512, 12288, 4096).tile_mn == (128, 192)
+    # ... 128 x 192 ping-pong where it makes one full wave (128 tiles; 128 x 256 makes 96, 128 x
+    # 128 192) or fills the waves better than 128 x 256 (1024 x 14336: 600 tiles vs 448)
+    for m, n in ((256, 12288), (512, 12288), (1024, 14336)):
+        config = choose_config("sm_90a", m, n, 4096)
+        assert (config.tile_mn, config.cluster_mn, config.pingpong) == ((128, 192), (2, 1), True), (m, n)
     # ... and the widest tile wherever it fills the waves as well
     assert choose_config("sm_90a", 512, 4096, 4096).tile_mn == (128, 128)
     assert choose_config("sm_90a", 512, 14336, 4096).tile_mn == (128, 256)
-    assert choose_config("sm_90a", 1024, 14336, 4096).tile_mn == (128, 256)
-    assert not choose_config("sm_90a", 256, 12288, 4096).pingpong
+    assert choose_config("sm_90a", 1024, 12288, 4096).tile_mn == (128, 256)
+    assert not choose_config("sm_90a", 1024, 12288, 4096).pingpong
     assert choose_config("sm_90a", 128, 4096, 4096, fp8=True).tile_mn == (128, 128)
     # short K over many tiles: 128 x 192 ping-pong (16-bit); FP8 and K = 4096 stay cooperative
     small_k = choose_config("sm_90a", 8192, 8192, 1024)

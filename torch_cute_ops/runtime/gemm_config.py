@@ -111,7 +111,9 @@ SM90_PINGPONG_MAX_K = 1024
 # columns at M = 128..1024 (bench/NOTES.md, session 19): at equal wave fill 128 x 192 ran at
 # 0.92-0.98 of 128 x 256; 128 x 64 wins only where the wider tiles leave half the SMs or more
 # idle (M = 128 and 256 at N = 4096).
-SM90_TILE_N_EFFICIENCY = {256: 1.0, 192: 0.93, 128: 0.85, 64: 0.6}
+# 128 x 192 runs ping-pong (0.93 cooperative): at 256 x 12288, 512 x 12288 and 1024 x 14336 (K
+# = 4096) ping-pong was 2-4% faster than cooperative at the same tile (session 20).
+SM90_TILE_N_EFFICIENCY = {256: 1.0, 192: 0.96, 128: 0.85, 64: 0.6}
 
 
 def wave_fill(tiles: int, sm_count: int) -> float:
@@ -132,7 +134,12 @@ def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int, fp8: bool
     # the first of the widest on a tie
     tile_n = max(SM90_TILE_N_EFFICIENCY, key=lambda tile_n: SM90_TILE_N_EFFICIENCY[tile_n]
                  * wave_fill(num_tiles(m, n, batch, 128, tile_n), sm_count))
-    return GemmConfig(128, tile_n, cluster_m)
+    if tile_n == 64 and m <= 128:
+        # one row of 128 x 64 tiles: 64-row tiles in 2 x 1 clusters give twice the CTAs, each
+        # B tile still read once, and a 13-stage ring (H100, 128 x 4096 x 4096: 189 vs 165
+        # TFLOP/s; cuBLAS takes the same shape of tile there)
+        return GemmConfig(64, 64, 2)
+    return GemmConfig(128, tile_n, cluster_m, pingpong=tile_n == 192)
 
 
 register_heuristic("sm_90a", _sm90_heuristic)

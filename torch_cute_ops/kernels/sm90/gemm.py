@@ -64,7 +64,9 @@ SCALE_MODES = (None, "tensor", "row", "block")
 SCALE_BLOCK = 128  # the K (and B's N) extent of one blockwise scale
 _SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
 _SMEM_RESERVED_BYTES = 1024  # mbarriers and alignment slack
-_MAX_AB_STAGES = 8
+# Small tiles take as many stages as smem holds (64 x 64: 13): with few rows the kernel
+# streams B, and the bytes in flight per SM set its rate.
+_MAX_AB_STAGES = 16
 
 
 class Sm90Gemm:
