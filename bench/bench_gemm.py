@@ -66,7 +66,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="anchor shapes only")
     parser.add_argument("--shapes", default="", help="MxNxK,... instead of the grid (e.g. 128x4096x4096)")
     parser.add_argument("--configs", default="", help="extra configs to time per shape, e.g. "
-                        "'128x256c2x1,pp128x128c2x1' (pp = ping-pong)")
+                        "'128x256c2x1,pp128x128c2x1,sw64x16c1x1' (pp = ping-pong, sw = swapped operands)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-fused", action="store_true", help="skip the fused-epilogue table")
     args = parser.parse_args()
@@ -118,7 +118,7 @@ def main():
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         b = torch.randn(k, n, device="cuda", dtype=dtype)
         c = choose_config("sm_90a", m, n, k, 1, sm_count)
-        config_short = f"{'pp' * c.pingpong}{c.tile_m}x{c.tile_n} c{c.cluster_m}x{c.cluster_n}"
+        config_short = f"{'pp' * c.pingpong}{'sw' * c.swap_ab}{c.tile_m}x{c.tile_n} c{c.cluster_m}x{c.cluster_n}"
         row = {"shape": [m, n, k], "config_short": config_short}
         calls = {"ours": ours(a, b), "cublas": lambda: torch.matmul(a, b), "bare": bare(a, b)}
         if quack and quack_runs(quack, a, b):
@@ -179,12 +179,14 @@ def main():
 
 
 def parse_config(name):
-    """'pp128x192c2x1' -> GemmConfig(128, 192, 2, 1, pingpong=True)."""
+    """'pp128x192c2x1' -> GemmConfig(128, 192, 2, 1, pingpong=True); 'sw64x16c1x1' swaps the
+    operands (tile_m over N, tile_n over M)."""
     from torch_cute_ops.runtime.gemm_config import GemmConfig
 
-    pingpong = name.startswith("pp")
-    tile, cluster = name.removeprefix("pp").split("c")
-    return GemmConfig(*map(int, tile.split("x")), *map(int, cluster.split("x")), pingpong=pingpong)
+    pingpong, swap_ab = name.startswith("pp"), name.startswith("sw")
+    tile, cluster = name.removeprefix("pp").removeprefix("sw").split("c")
+    return GemmConfig(*map(int, tile.split("x")), *map(int, cluster.split("x")), pingpong=pingpong,
+                      swap_ab=swap_ab)
 
 
 def host_overhead():

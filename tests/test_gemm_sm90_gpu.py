@@ -145,6 +145,24 @@ def test_configs(config, out_dtype):
     run_case(1000, 1000, 1000, batch=3, bias=True, activation="gelu_tanh", out_dtype=out_dtype, config=config)
 
 
+@pytest.mark.parametrize("m,n,k,batch,b_n_major,bias,activation,out_dtype,tile_n", [
+    (1, 4096, 4095, 1, True, False, None, torch.bfloat16, 16),
+    (1, 1000, 1000, 1, False, True, None, torch.bfloat16, 16),
+    (7, 4096, 1000, 1, False, True, "silu", torch.bfloat16, 16),
+    (16, 1000, 4096, 2, True, True, "gelu_tanh", torch.float32, 16),
+    (33, 4096, 1000, 3, False, False, None, torch.float16, 32),
+    (64, 1000, 520, 1, True, True, "relu", torch.bfloat16, 32),
+])
+def test_swapped_operands(m, n, k, batch, b_n_major, bias, activation, out_dtype, tile_n):
+    """out^T = b^T @ a^T (config.swap_ab): a decode step's rows on the MMA's narrow N, the
+    bias along the kernel's rows, the out written M-major; tails in M, N and K."""
+    from torch_cute_ops.runtime.gemm_config import GemmConfig
+
+    dtype = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
+    run_case(m, n, k, batch=batch, b_n_major=b_n_major, dtype=dtype, out_dtype=out_dtype, bias=bias,
+             activation=activation, config=GemmConfig(64, tile_n, swap_ab=True), two_d=batch == 1)
+
+
 def test_op_layer():
     """torch.ops.cute.gemm runs this kernel (strict mode forbids the fallback)."""
     import torch_cute_ops  # noqa: F401  registers the ops

@@ -291,3 +291,80 @@ def test_fp8_llm_shapes_run_shipped_variants(mode):
             config = block_scaled_config(config) if mode == "block" else config
             spec = scaled_spec(sm90_gemm, e4m3, e4m3, torch.bfloat16, None, mode, None, config, 2)
             assert spec in shipped, (m, n, k, config)
+
+
+def _swapped_kernel_stand_in(calls):
+    """What a swapped variant computes, in torch: out^T = act(A @ B + bias along rows), given the
+    kernel-order views (A = b^T, B = a^T, out = out^T) the launch passes it."""
+    def run(ka, kb, *rest):
+        bias, kout = (rest[0], rest[1]) if len(rest) == 4 else (None, rest[0])
+        kout.copy_(ka.double() @ kb.double() + (0 if bias is None else bias.double()[:, None]))
+        calls.append((ka, kb, kout))
+    return run
+
+
+@pytest.mark.parametrize("m,n,k,batch,b_layout,bias", [
+    (1, 200, 64, 1, "x@W.T", True), (7, 136, 40, 1, "x@W", False), (16, 64, 72, 3, "x@W", True),
+    (33, 96, 64, 2, "x@W.T", False),
+])
+def test_swapped_launch_plan(monkeypatch, m, n, k, batch, b_layout, bias):
+    """Swapped operands (config.swap_ab): the plan hands the kernel b^T, a^T and out^T as free
+    views of the caller's tensors, with the majorness they have, and the bias along the
+    kernel's rows; with torch standing in for the kernel, out = a @ b + bias (CPU, fp64)."""
+    from torch_cute_ops.runtime import gemm as runtime_gemm
+
+    monkeypatch.setattr(runtime_gemm, "sm_count", lambda index: 132)
+    calls = []
+    monkeypatch.setattr(runtime_gemm, "get_compiled", lambda spec: _swapped_kernel_stand_in(calls))
+    two_d = batch == 1
+    a = torch.randn(batch, m, k)
+    b = torch.randn(batch, n, k).mT if b_layout == "x@W.T" else torch.randn(batch, k, n)
+    bias_t = torch.randn(n) if bias else None
+    if two_d:
+        a, b = a[0], b[0]
+    config = GemmConfig(64, 16, swap_ab=True)
+    plan = sm90_gemm.plan(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), torch.bfloat16,
+                          None if bias_t is None else ((n,), (1,)), None, torch.bfloat16, 0, config)
+    assert isinstance(plan, runtime_gemm.GemmLaunch) and plan.swap, plan
+    spec = plan.spec
+    assert spec["swap"] and spec["tile"] == (64, 16) and spec["rank"] == (2 if two_d else 3)
+    # the kernel's A is b^T: K-major exactly when the weight is nn.Linear's (N, K); its B, a^T, is K-major
+    assert spec["a_major"] == ("k" if b_layout == "x@W.T" else "m") and spec["b_major"] == "k"
+    out = torch.full(a.shape[:-1] + (n,), float("nan"))
+    plan(a, b, bias_t, out, 1.0)
+    ka, kb, kout = calls[0]
+    assert ka.shape[-2:] == (n, k) and kb.shape[-2:] == (k, m) and kout.shape[-2:] == (n, m)
+    assert ka.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # views, no copies
+    assert kb.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    expect = a.double() @ b.double() + (0 if bias_t is None else bias_t.double())
+    torch.testing.assert_close(out.double(), expect)
+
+
+def test_swapped_config_limits():
+    """Swapped operands take the narrow MMA N (16, 32) and only there; they are 16-bit and
+    cooperative, and their spec key is new while every other variant's stays as it was."""
+    import cutlass
+
+    from torch_cute_ops.kernels.sm90.gemm import Sm90Gemm
+
+    bf16 = cutlass.BFloat16
+    assert "swap" not in GemmConfig(128, 256, 2, 1).spec_params()
+    assert GemmConfig.from_spec_params(GemmConfig(64, 16, swap_ab=True).spec_params()).swap_ab
+    kernel = Sm90Gemm(bf16, bf16, True, True, True, None, GemmConfig(64, 16, swap_ab=True))
+    assert kernel.direct_store and kernel.ab_stages == 22  # 10 KB a stage
+    with pytest.raises(ValueError, match="unsupported sm90 tile"):
+        Sm90Gemm(bf16, bf16, True, True, False, None, GemmConfig(64, 16))
+    with pytest.raises(ValueError, match="cooperative"):
+        Sm90Gemm(bf16, bf16, True, True, False, None, GemmConfig(64, 32, swap_ab=True, pingpong=True))
+
+
+@pytest.mark.parametrize("a_k_major,tile_n,out,act", [(False, 16, "bf16", "none"), (True, 32, "fp32", "gelu_tanh")])
+def test_swapped_ptx(tmp_path, a_k_major, tile_n, out, act):
+    """A swapped variant: m64nXk16 WGMMAs on the narrow side, direct stores, no local memory."""
+    spec = sm90_gemm.spec("bf16", out, a_k_major, True, True, None if act == "none" else act,
+                          GemmConfig(64, tile_n, swap_ab=True), 2)
+    compile_spec(spec, dump_dir=tmp_path)
+    ptx = _ptx(tmp_path)
+    assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k16" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "stmatrix" not in ptx and "st.global" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"

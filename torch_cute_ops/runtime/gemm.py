@@ -152,17 +152,20 @@ class GemmLaunch:
     """One operand layout's launch: the compiled variant and the 3-D views it takes.
 
     A view is ``None`` when the tensor already is what the kernel takes, else the
-    ``(shape, strides)`` of a free ``as_strided`` view (2-D operands, size-1 dims).
+    ``(shape, strides)`` of a free ``as_strided`` view (2-D operands, size-1 dims). With
+    ``swap`` the kernel's A is a view of ``b`` (b^T), its B one of ``a`` (a^T), its out out^T.
     """
 
-    __slots__ = ("fn", "grid", "a_view", "b_view", "out_view", "spec")
+    __slots__ = ("fn", "grid", "a_view", "b_view", "out_view", "spec", "swap")
 
-    def __init__(self, fn, grid: int, a_view, b_view, out_view, spec: KernelSpec):
-        self.fn, self.grid, self.spec = fn, grid, spec
+    def __init__(self, fn, grid: int, a_view, b_view, out_view, spec: KernelSpec, swap: bool = False):
+        self.fn, self.grid, self.spec, self.swap = fn, grid, spec, swap
         self.a_view, self.b_view, self.out_view = a_view, b_view, out_view
 
     def views(self, a, b, out):
         """The tensors as the kernel takes them (free views)."""
+        if self.swap:
+            a, b = b, a
         if self.a_view is not None:
             a = a.as_strided(*self.a_view)
         if self.b_view is not None:
@@ -221,13 +224,17 @@ class GemmHost:
         if reason:
             return reason
         (batch, m, k), n = a3[0], b3[0][2]
+        rank = len(a_shape)  # 2-D operands take the rank-2 variant: no 3-D views per call
+        sms = sm_count(device_index)
+        config = config or choose_config(self.arch, m, n, k, batch, sms, fp8=scale_mode is not None)
+        if config.swap_ab:
+            if scale_mode is not None:
+                return f"{self.kernel_name}: swapped operands (config.swap_ab) are 16-bit only"
+            return self._plan_swapped(a3, b3, dtype, bias_layout, activation, out_dtype, config, rank, sms)
         a_strides, a_k_major = operand_strides(*a3, dtype.itemsize)
         b_strides, b_n_major = operand_strides(*b3, dtype.itemsize)
         out_shape = (batch, m, n)
         o_strides = out_strides(out_shape, out_dtype.itemsize)
-        rank = len(a_shape)  # 2-D operands take the rank-2 variant: no 3-D views per call
-        sms = sm_count(device_index)
-        config = config or choose_config(self.arch, m, n, k, batch, sms, fp8=scale_mode is not None)
         if scale_mode is None:
             spec = self.spec(DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], a_k_major, not b_n_major,
                              bias_layout is not None, activation, config, rank)
@@ -244,6 +251,20 @@ class GemmHost:
                  _view(b_shape, b_stride, b3[0][3 - rank:], b_strides[3 - rank:]),
                  _view(out_received, _contiguous_strides(out_received), out_shape[3 - rank:], o_strides[3 - rank:]))
         return launch_type(get_compiled(spec), sms // (config.cluster_m * config.cluster_n), *views, spec)
+
+    def _plan_swapped(self, a3, b3, dtype, bias_layout, activation, out_dtype, config, rank, sms):
+        """out^T = b^T @ a^T: the kernel's A is b^T (L, N, K), its B a^T (L, K, M), its out the
+        caller's row-major out seen as (L, N, M), M-major; the bias runs along its rows."""
+        (batch, m, k), n = a3[0], b3[0][2]
+        (b_batch, b_k, b_n), (a_batch, a_m, a_k) = b3[1], a3[1]
+        ka_strides, a_k_major = operand_strides((batch, n, k), (b_batch, b_n, b_k), dtype.itemsize)
+        kb_strides, b_n_major = operand_strides((batch, k, m), (a_batch, a_k, a_m), dtype.itemsize)
+        o_batch, o_m, o_n = out_strides((batch, m, n), out_dtype.itemsize)
+        spec = self.spec(DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], a_k_major, not b_n_major,
+                         bias_layout is not None, activation, config, rank)
+        views = (((batch, n, k)[3 - rank:], ka_strides[3 - rank:]), ((batch, k, m)[3 - rank:], kb_strides[3 - rank:]),
+                 ((batch, n, m)[3 - rank:], (o_batch, o_n, o_m)[3 - rank:]))
+        return GemmLaunch(get_compiled(spec), sms // (config.cluster_m * config.cluster_n), *views, spec, swap=True)
 
     def launch(self, a, b, bias, activation, out, alpha: float = 1.0, config: GemmConfig | None = None) -> None:
         """out = act(alpha * a @ b + bias) on the current stream, uncached (tests, benchmarks):

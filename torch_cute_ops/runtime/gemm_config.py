@@ -47,6 +47,10 @@ class GemmConfig:
     band_along_m: bool = True
     # Hopper: two consumer warpgroups each on its own tile, taking turns (see kernels/sm90)
     pingpong: bool = False
+    # Hopper: the kernel computes out^T = b^T @ a^T, so that a few rows of ``a`` (a decode
+    # step's tokens) sit on the MMA's narrow N side (``tile_n`` 16 or 32) and the weight's N
+    # on its 64-row M side; tile_m / tile_n then tile the caller's N / M
+    swap_ab: bool = False
 
     @property
     def tile_mn(self) -> tuple[int, int]:
@@ -64,6 +68,7 @@ class GemmConfig:
             "group": self.group_size,
             "band_m": self.band_along_m,
             "pingpong": self.pingpong,
+            **({"swap": True} if self.swap_ab else {}),  # the other variants' keys stay as they were
         }
 
     @staticmethod
@@ -71,7 +76,7 @@ class GemmConfig:
         """Inverse of :meth:`spec_params`, from a KernelSpec (or any mapping with those keys)."""
         tile, cluster = params["tile"], params["cluster"]
         return GemmConfig(tile[0], tile[1], cluster[0], cluster[1], params["group"], params["band_m"],
-                          params["pingpong"])
+                          params["pingpong"], params.get("swap", False))
 
 
 Heuristic = Callable[[int, int, int, int, int, bool], GemmConfig]

@@ -64,9 +64,9 @@ SCALE_MODES = (None, "tensor", "row", "block")
 SCALE_BLOCK = 128  # the K (and B's N) extent of one blockwise scale
 _SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
 _SMEM_RESERVED_BYTES = 1024  # mbarriers and alignment slack
-# Small tiles take as many stages as smem holds (64 x 64: 13): with few rows the kernel
-# streams B, and the bytes in flight per SM set its rate.
-_MAX_AB_STAGES = 16
+# Small tiles take as many stages as smem holds (64 x 64: 13, swapped 64 x 16: 22): with few
+# rows the kernel streams the weight, and the bytes in flight per SM set its rate.
+_MAX_AB_STAGES = 24
 
 
 class Sm90Gemm:
@@ -84,8 +84,11 @@ class Sm90Gemm:
     def __init__(self, ab_dtype, out_dtype, a_k_major: bool, b_k_major: bool, has_bias: bool,
                  activation, config: GemmConfig, b_dtype=None, bias_dtype=None, scale_mode=None,
                  odd_n: bool = False):
-        if config.tile_m not in (64, 128) or config.tile_n not in (64, 128, 192, 256):
+        narrow_n = (16, 32) if config.swap_ab else ()  # a decode step's few rows as the MMA's N
+        if config.tile_m not in (64, 128) or config.tile_n not in (*narrow_n, 64, 128, 192, 256):
             raise ValueError(f"unsupported sm90 tile {config.tile_mn}")
+        if config.swap_ab and (scale_mode is not None or config.pingpong):
+            raise ValueError(f"swapped operands are 16-bit and cooperative only, got {config}")
         if scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
         if ab_dtype.width == 8 and not (a_k_major and b_k_major and scale_mode):
@@ -104,6 +107,7 @@ class Sm90Gemm:
         self.has_bias = has_bias
         self.activation = activation
         self.config = config
+        self.swap_ab = config.swap_ab  # the bias runs along the kernel's M (the caller's N)
         self.tile_shape_mnk = (config.tile_m, config.tile_n, TILE_K_BYTES * 8 // ab_dtype.width)
         self.cluster_shape_mn = config.cluster_mn
         self.pingpong = config.pingpong
@@ -118,8 +122,9 @@ class Sm90Gemm:
         self.b_mcast = config.cluster_m > 1
         self.a_mcast = config.cluster_n > 1
         # fp32 results go straight from registers to global memory; 16-bit ones through
-        # a ring of swizzled smem subtiles (stmatrix) and TMA stores
-        self.direct_store = out_dtype.width == 32
+        # a ring of swizzled smem subtiles (stmatrix) and TMA stores, except for swapped
+        # operands, whose out^T is M-major and a few columns wide
+        self.direct_store = out_dtype.width == 32 or self.swap_ab
         self.epi_tile = (64 * self.tile_wgs, 32)
         # ping-pong keeps a ring per warpgroup: three subtiles each leave room for a fifth A/B
         # stage at 128 x 192 (QuACK's default tile and depth)
@@ -381,7 +386,11 @@ class Sm90Gemm:
         num_work_units = sched.num_work_units
         while work_idx < num_work_units:
             tile_m_idx, tile_n_idx, batch_idx = sched.tile_coord(work_idx)
-            column_values = self._column_values(tCcC, mBias, mScaleB, tile_n_idx * tile_n, mC_mnl.shape, batch_idx)
+            if cutlass.const_expr(self.swap_ab):
+                column_values = (self._row_bias(tCcC, mBias, tile_m_idx * tile_m, mC_mnl.shape), {})
+            else:
+                column_values = self._column_values(tCcC, mBias, mScaleB, tile_n_idx * tile_n, mC_mnl.shape,
+                                                    batch_idx)
 
             if cutlass.const_expr(self.pingpong):
                 my_turn.arrive_and_wait()
@@ -581,6 +590,20 @@ class Sm90Gemm:
         return bias, scale_b
 
     @cute.jit
+    def _row_bias(self, tCcC, mBias, row_start, mn_shape) -> dict:
+        """Swapped operands: this thread's bias values, one per row of the tile (the fragment's
+        rows vary with its 2-row and m modes), loaded once ahead of the main loop and converted
+        only in the epilogue. Rows past M read the last row's value (never stored)."""
+        last_row = mn_shape[0] - 1
+        bias = {}
+        if cutlass.const_expr(self.has_bias):
+            for i in cutlass.range_constexpr(cute.size(tCcC)):
+                coord = cute.idx2crd(i, tCcC.shape)
+                if cutlass.const_expr(coord[0][0] == 0 and coord[0][2] == 0 and coord[2] == 0):
+                    bias[(coord[0][1], coord[1])] = mBias[cutlass.min(row_start + tCcC[i][0], last_row)]
+        return bias
+
+    @cute.jit
     def _load_pair(self, mBias, col, last_col):
         """Bias columns ``col`` (even) and ``col + 1``. A 16-bit bias with an even N (every
         output whose rows TMA stores) loads them as one 32-bit word, past N the last pair, split
@@ -611,7 +634,10 @@ class Sm90Gemm:
         those outputs are never stored."""
         last_row = mn_shape[0] - 1
         loaded_bias, scale_b = column_values
-        bias = {pair: self._bias_pair(loaded) for pair, loaded in loaded_bias.items()}
+        if cutlass.const_expr(self.swap_ab):  # one value per row
+            bias = {row: Float32(loaded) for row, loaded in loaded_bias.items()}
+        else:
+            bias = {pair: self._bias_pair(loaded) for pair, loaded in loaded_bias.items()}
         for i in cutlass.range_constexpr(cute.size(acc)):
             coord = cute.idx2crd(i, acc.shape)
             pair, odd = (coord[0][2], coord[2]), coord[0][0]
@@ -619,21 +645,27 @@ class Sm90Gemm:
             if cutlass.const_expr(self.scale_mode == "row"):
                 row = cutlass.min(row_start + tCcC[i][0], last_row)
                 scale = alpha * mScaleA[row, 0, batch_idx] * scale_b[pair][odd]
-            if cutlass.const_expr(self.has_bias):
+            if cutlass.const_expr(self.has_bias and self.swap_ab):
+                acc[i] = acc[i] * scale + bias[(coord[0][1], coord[1])]
+            elif cutlass.const_expr(self.has_bias):
                 acc[i] = acc[i] * scale + bias[pair][odd]
             else:
                 acc[i] = acc[i] * scale
 
     @cute.jit
     def _store_direct(self, acc, tCcC, mC_mnl, tile_m_idx, tile_n_idx, batch_idx):
-        """fp32 out: each thread stores its accumulator values, predicated on the M/N tails."""
+        """fp32 (or swapped 16-bit) out: each thread stores its accumulator values, predicated
+        on the M/N tails."""
         tile_m, tile_n, _ = self.tile_shape_mnk
         num_rows, num_cols = mC_mnl.shape[0], mC_mnl.shape[1]
         for i in cutlass.range_constexpr(cute.size(acc)):
             row = tile_m_idx * tile_m + tCcC[i][0]
             col = tile_n_idx * tile_n + tCcC[i][1]
             if row < num_rows and col < num_cols:
-                mC_mnl[row, col, batch_idx] = acc[i]
+                if cutlass.const_expr(self.out_dtype.width == 32):
+                    mC_mnl[row, col, batch_idx] = acc[i]
+                else:
+                    mC_mnl[row, col, batch_idx] = acc[i].to(self.out_dtype)
 
 
 def _advance_state(state, steps):
@@ -662,7 +694,7 @@ def build(spec: KernelSpec):
     rank = spec["rank"]
     mA = fake_operand(ab_dtype, gemm.a_k_major, rank)
     mB = fake_operand(b_dtype, not gemm.b_k_major, rank)
-    mC = fake_operand(out_dtype, True, rank)
+    mC = fake_operand(out_dtype, not gemm.swap_ab, rank)  # swapped: out^T, M-major
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     bias = ()
     if gemm.has_bias:
