@@ -20,12 +20,17 @@ def as_4d(attn_mask: torch.Tensor) -> torch.Tensor:
     return attn_mask[(None,) * (4 - attn_mask.dim())]
 
 
+def _full_size(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+    """The mask as a (B', H', S_q, S_k) view: its own batch and head dims (broadcast ones stay 1)."""
+    mask = as_4d(attn_mask)
+    return mask.expand(mask.shape[0], mask.shape[1], seqlen_q, seqlen_k)
+
+
 def mask_blocks(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int) -> torch.Tensor:
     """The block summary of an attn_mask: int8 (B', H', M blocks, N blocks) of BLOCK_EMPTY (no
     visible key), BLOCK_FULL (every key visible, no additive bias) or BLOCK_PARTIAL, with B', H'
     the mask's own (broadcast dims stay 1). One pass of torch ops over the mask."""
-    mask = as_4d(attn_mask)
-    mask = mask.expand(mask.shape[0], mask.shape[1], seqlen_q, seqlen_k)
+    mask = _full_size(attn_mask, seqlen_q, seqlen_k)
     if mask.dtype == torch.bool:
         live, full = mask, mask
     else:
@@ -48,8 +53,7 @@ def mask_bits(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int
     of word ``w`` is key ``32 w + i`` (little-endian bytes), rows and keys padded with zeros to
     whole (tile_m, tile_n) tiles and rows to 16 bytes. An eighth of the mask's bytes, so a
     partial block costs each thread one vector load per row."""
-    mask = as_4d(attn_mask)
-    mask = mask.expand(mask.shape[0], mask.shape[1], seqlen_q, seqlen_k)
+    mask = _full_size(attn_mask, seqlen_q, seqlen_k)
     rows = -(-seqlen_q // tile_m) * tile_m
     keys = -(-(-(-seqlen_k // tile_n) * tile_n) // 128) * 128
     padded = torch.nn.functional.pad(mask.to(torch.uint8), (0, keys - seqlen_k, 0, rows - seqlen_q))
