@@ -152,15 +152,31 @@ def test_configs(config, out_dtype):
     (16, 1000, 4096, 2, True, True, "gelu_tanh", torch.float32, 16),
     (33, 4096, 1000, 3, False, False, None, torch.float16, 32),
     (64, 1000, 520, 1, True, True, "relu", torch.bfloat16, 32),
+    # the heuristic's decode tiles, 128 x 16 and 128 x 32: N tails past a 128-row kernel tile
+    (1, 4000, 4096, 1, False, True, None, torch.bfloat16, (128, 16)),
+    (13, 1096, 2056, 2, True, False, "gelu_tanh", torch.float16, (128, 16)),
+    (16, 4096, 1000, 1, True, True, "silu", torch.float32, (128, 16)),
+    (29, 1096, 4096, 1, True, True, None, torch.bfloat16, (128, 32)),
+    (32, 4000, 1000, 2, False, False, "relu", torch.float32, (128, 32)),
 ])
 def test_swapped_operands(m, n, k, batch, b_n_major, bias, activation, out_dtype, tile_n):
     """out^T = b^T @ a^T (config.swap_ab): a decode step's rows on the MMA's narrow N, the
     bias along the kernel's rows, the out written M-major; tails in M, N and K."""
     from torch_cute_ops.runtime.gemm_config import GemmConfig
 
+    tile_m, tile_n = tile_n if isinstance(tile_n, tuple) else (64, tile_n)
     dtype = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
     run_case(m, n, k, batch=batch, b_n_major=b_n_major, dtype=dtype, out_dtype=out_dtype, bias=bias,
-             activation=activation, config=GemmConfig(64, tile_n, swap_ab=True), two_d=batch == 1)
+             activation=activation, config=GemmConfig(tile_m, tile_n, swap_ab=True), two_d=batch == 1)
+
+
+def test_swapped_operands_transposed_rows():
+    """Swapped operands with ``a`` M-major (a transposed view, 16-byte aligned rows): the kernel's
+    B is then N-major."""
+    from torch_cute_ops.runtime.gemm_config import GemmConfig
+
+    run_case(16, 1000, 1000, a_k_major=False, b_n_major=False, bias=True, config=GemmConfig(128, 16, swap_ab=True),
+             two_d=True)
 
 
 def test_op_layer():

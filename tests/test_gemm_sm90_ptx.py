@@ -189,7 +189,13 @@ def _mn(config):
 def test_config_heuristic():
     assert choose_config("sm_90a", 8192, 8192, 8192).tile_mn == (128, 256)
     assert choose_config("sm_90a", 8192, 8192, 8192).cluster_mn == (2, 1)
-    assert choose_config("sm_90a", 32, 4096, 4096).tile_m == 64
+    assert _mn(choose_config("sm_90a", 48, 4096, 4096)) == ((64, 64), (1, 1))
+    # a decode step's rows (16-bit, M <= 32): swapped operands, the weight on 128-row tiles
+    for m, rows in ((1, 16), (16, 16), (17, 32), (32, 32)):
+        decode = choose_config("sm_90a", m, 4096, 4096)
+        assert (decode.swap_ab, decode.tile_mn, decode.cluster_mn) == (True, (128, rows), (1, 1)), m
+    assert not choose_config("sm_90a", 33, 4096, 4096).swap_ab
+    assert not choose_config("sm_90a", 1, 4096, 4096, fp8=True).swap_ab
     # few rows at LLM widths: more, narrower tiles where 128 x 128 would leave SMs idle; one
     # row of 128 x 64 tiles becomes two of 64 x 64 in 2 x 1 clusters (twice the CTAs, B read once)
     assert _mn(choose_config("sm_90a", 128, 4096, 4096)) == ((64, 64), (2, 1))
@@ -214,16 +220,27 @@ def test_config_heuristic():
 
 
 @pytest.mark.parametrize("b_k_major", [False, True], ids=["x@W", "x@W.T"])
-def test_llm_shapes_run_shipped_variants(b_k_major):
+def test_llm_shapes_run_shipped_variants(monkeypatch, b_k_major):
     """Every bf16 GEMM of the LLM widths (N, K in 4096 / 12288 / 14336), M from a decode step's 1
-    to 16384, takes a prebuilt variant for row-major B and for nn.Linear's weight: none compiles
-    on first use."""
-    shipped = set(SHIPPED)
-    for m in (1, 16, 64, 128, 256, 512, 1024, 4096, 16384):
+    to 16384, plans a prebuilt variant for row-major B and for nn.Linear's weight (a decode
+    step's swapped operands included, and nn.Linear's bias there): none compiles on first use."""
+    import torch_cute_ops.runtime.gemm as gemm_host
+
+    planned = []
+    monkeypatch.setattr(gemm_host, "get_compiled", planned.append)
+    monkeypatch.setattr(gemm_host, "sm_count", lambda index: 132)
+    bf16 = torch.bfloat16
+    for m in (1, 5, 16, 17, 32, 33, 64, 128, 256, 512, 1024, 4096, 16384):
         for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (12288, 4096)):
-            config = choose_config("sm_90a", m, n, k)
-            spec = sm90_gemm.spec("bf16", "bf16", True, b_k_major, False, None, config, 2)
-            assert spec in shipped, (m, n, k, config)
+            a = torch.empty(m, k, dtype=bf16, device="meta")
+            b = torch.empty(n, k, dtype=bf16, device="meta").t() if b_k_major else torch.empty(k, n, dtype=bf16)
+            biases = ((None, ((n,), (1,))) if b_k_major and m <= 32 else (None,))
+            for bias_layout in biases:
+                launch = sm90_gemm.plan(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), bf16, bias_layout,
+                                        None, bf16, 0)
+                assert not isinstance(launch, str), launch
+                assert planned[-1] in set(SHIPPED), (m, n, k, bias_layout, planned[-1].name)
+                assert launch.swap == (m <= 32), (m, launch.spec.name)
 
 
 def test_heuristic_gives_configs_the_kernel_takes():
@@ -234,7 +251,7 @@ def test_heuristic_gives_configs_the_kernel_takes():
     from torch_cute_ops.kernels.sm90.gemm import Sm90Gemm
     from torch_cute_ops.runtime.gemm import block_scaled_config
 
-    assert choose_config("sm_90a", 0, 4096, 4096).tile_m == 64  # an empty problem still gets a config
+    assert choose_config("sm_90a", 0, 4096, 4096).swap_ab  # an empty problem still gets a config
     assert choose_config("sm_90a", 128, 0, 4096).tile_m == 128
     sizes = (1, 64, 65, 128, 200, 256, 512, 768, 1024, 4096, 16384)
     for m in sizes:

@@ -320,14 +320,20 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
     """bf16 row-major A and B at the three big tiles, the fused bias + gelu_tanh MLP epilogue,
     nn.Linear's layout and its backward's (dW = x^T @ dy: M-major A), the fp16 twin; 2-D
     operands (the eager common case), one batched; the tiles the heuristic gives few-row
-    problems (M up to 512 at LLM widths), with row-major and with nn.Linear's B; FP8 e4m3 ->
-    bf16 with rowwise and with blockwise scales at the tiles LLM widths take from M = 1."""
+    problems (M up to 512 at LLM widths), with row-major and with nn.Linear's B, and a decode
+    step's swapped ones; FP8 e4m3 -> bf16 with rowwise and with blockwise scales at the tiles
+    LLM widths take from M = 1."""
     big, medium = GemmConfig(128, 256, 2, 1), GemmConfig(128, 128, 2, 1)
     # 128 x 192 ping-pong: large M and N at K <= 1024, and the widths where it fills the waves
     wide_pingpong = GemmConfig(128, 192, 2, 1, pingpong=True)
     one_row_of_tiles, m64 = GemmConfig(128, 128), GemmConfig(64, 64)  # M <= 128, M <= 64
     few_rows = (medium, one_row_of_tiles, GemmConfig(64, 64, 2, 1), GemmConfig(128, 64, 2, 1), wide_pingpong,
                 m64, GemmConfig(64, 128))
+    # a decode step (M <= 32): swapped operands, so the kernel's A is the weight: M-major for
+    # x @ W, K-major for nn.Linear's x @ W.T (whose bias rides along too); its B is x, K-major
+    decode = (GemmConfig(128, 16, swap_ab=True), GemmConfig(128, 32, swap_ab=True))
+    decode_variants = [host.spec("bf16", "bf16", weight_k_major, True, bias, None, config, 2) for config in decode
+                       for weight_k_major, bias in ((False, False), (True, False), (True, True))]
     fp8_small = (medium, one_row_of_tiles, m64)  # FP8's tiles below 128 x 256 (blockwise: all of them)
     e4m3 = torch.float8_e4m3fn
     return [
@@ -337,6 +343,7 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
         host.spec("bf16", "bf16", False, False, False, None, big, 2),  # a weight's gradient, x^T @ dy
         *(host.spec("bf16", "bf16", True, b_k_major, False, None, config, 2)
           for config in few_rows for b_k_major in (False, True)),
+        *decode_variants,
         host.spec("bf16", "bf16", True, False, True, "gelu_tanh", big, 2),
         host.spec("fp16", "fp16", True, False, False, None, big, 2),
         # FP8 x @ W.T at the tiles the heuristic gives it from a decode step's M up
