@@ -222,6 +222,7 @@ class Sm90Gemm:
             cluster=(cluster_m, cluster_n, 1),
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=True,
         )
 
     def _scheduler(self, mC) -> PersistentTileScheduler:
@@ -278,6 +279,13 @@ class Sm90Gemm:
         sched = self._scheduler(mC_mnl)
 
         pipeline.pipeline_init_wait(cluster_layout_mnk)
+        # Launched early (programmatic dependent launch): the set-up above overlapped the
+        # previous kernel's tail; its outputs may be our operands, and it may still read what
+        # we write, so no thread touches global memory before that grid is done. Our own
+        # dependents may launch now: every CTA of this persistent grid is already resident, and
+        # they wait for all of it in turn.
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
 
         if wg_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
