@@ -28,6 +28,9 @@ def _ptx(dump_dir):
                                   next(s for s in SHIPPED if s["tile"] == (64, 64) and s["cluster"] == (2, 1))],
                          ids=lambda s: s.name)
 def test_shipped_ptx(spec, tmp_path):
+    """WGMMA + TMA (multicast) + stmatrix, no spills; launched as a programmatic dependent: one
+    griddepcontrol.wait ahead of every global access (the previous kernel may still be writing
+    the operands), and one launch_dependents."""
     compile_spec(spec, dump_dir=tmp_path)
     ptx = _ptx(tmp_path)
     assert re.search(r"^\.target\s+sm_90a", ptx, re.M)
@@ -36,6 +39,10 @@ def test_shipped_ptx(spec, tmp_path):
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
     if spec["act"] == "gelu_tanh":
         assert "tanh.approx" in ptx
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
+    wait = ptx.index("griddepcontrol.wait")
+    for access in ("cp.async.bulk.tensor", "ld.global", "st.global"):
+        assert access not in ptx or wait < ptx.index(access), access
 
 
 def test_fp32_out_m_major_ptx(tmp_path):
