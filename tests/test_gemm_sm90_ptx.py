@@ -202,7 +202,7 @@ def test_config_heuristic():
         decode = choose_config("sm_90a", m, 4096, 4096)
         assert (decode.swap_ab, decode.tile_mn, decode.cluster_mn) == (True, (128, rows), (1, 1)), m
     assert not choose_config("sm_90a", 33, 4096, 4096).swap_ab
-    assert not choose_config("sm_90a", 1, 4096, 4096, fp8=True).swap_ab
+    assert choose_config("sm_90a", 1, 4096, 4096, fp8=True).swap_ab  # FP8 too (blockwise: 64 x 64)
     # few rows at LLM widths: more, narrower tiles where 128 x 128 would leave SMs idle; one
     # row of 128 x 64 tiles becomes two of 64 x 64 in 2 x 1 clusters (twice the CTAs, B read once)
     assert _mn(choose_config("sm_90a", 128, 4096, 4096)) == ((64, 64), (2, 1))
@@ -365,9 +365,59 @@ def test_swapped_launch_plan(monkeypatch, m, n, k, batch, b_layout, bias):
     torch.testing.assert_close(out.double(), expect)
 
 
+@pytest.mark.parametrize("mode,batch,bias", [("row", 1, True), ("row", 2, False), ("tensor", 1, False)])
+def test_fp8_swapped_launch_plan(monkeypatch, mode, batch, bias):
+    """FP8 on swapped operands: the kernel's A is b^T (b's dtype), its B a^T, and rowwise scales
+    trade places as the kernel's views: its row scales are b's (N, 1), its column scales a's
+    (1, M); with torch standing in for the kernel, out = (a * scale_a) @ (b * scale_b) + bias."""
+    from torch_cute_ops.runtime import gemm as runtime_gemm
+
+    calls = []
+
+    def stand_in(ka, kb, ksa, ksb, *rest):
+        kbias, kout = (rest[0], rest[1]) if len(rest) == 3 else (None, rest[0])
+        result = (ka.double() @ kb.double()) * ksa.double() * ksb.double()  # (R, 1) x (1, C), or 1-vectors
+        kout.copy_(result + (0 if kbias is None else kbias.double()[:, None]))
+        calls.append((ka, kb, ksa, ksb))
+
+    monkeypatch.setattr(runtime_gemm, "sm_count", lambda index: 132)
+    monkeypatch.setattr(runtime_gemm, "get_compiled", lambda spec: stand_in)
+    m, n, k = 5, 48, 256
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    a = torch.randn(batch, m, k).to(e4m3)
+    b = torch.randn(batch, n, k).to(e5m2).mT  # K-major (nn.Linear's weight)
+    if mode == "row":
+        sa, sb = torch.rand(batch, m, 1) + 0.5, torch.rand(batch, 1, n) + 0.5
+    else:
+        sa, sb = torch.tensor(0.75), torch.tensor(1.5)
+    bias_t = torch.randn(n) if bias else None
+    if batch == 1:
+        a, b = a[0], b[0]
+        sa, sb = (sa[0], sb[0]) if mode == "row" else (sa, sb)
+    plan = sm90_gemm.plan(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), e4m3,
+                          None if bias_t is None else ((n,), (1,)), None, torch.float32, 0,
+                          GemmConfig(128, 16, swap_ab=True), b_dtype=e5m2,
+                          bias_dtype=None if bias_t is None else torch.float32, scale_mode=mode)
+    assert isinstance(plan, runtime_gemm.ScaledGemmLaunch) and plan.swap, plan
+    assert plan.spec["ab"] == "e5m2" and plan.spec["b"] == "e4m3" and plan.spec["scale"] == mode
+    out = torch.full(a.shape[:-1] + (n,), float("nan"))
+    plan(a, b, sa, sb, bias_t, out)
+    ka, kb, ksa, ksb = calls[0]
+    assert ka.shape[-2:] == (n, k) and kb.shape[-2:] == (k, m)
+    if mode == "row":
+        assert ksa.shape[-2:] == (n, 1) and ksb.shape[-2:] == (1, m)
+    expect = (a.double() * sa.double()) @ (b.double() * sb.double()) + (0 if bias_t is None else bias_t.double())
+    torch.testing.assert_close(out.double(), expect)
+    # blockwise scales have no swapped variant: the plan takes the unswapped decode tile
+    block = sm90_gemm.plan(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), e4m3, None, None,
+                           torch.bfloat16, 0, GemmConfig(128, 16, swap_ab=True), b_dtype=e5m2, scale_mode="block")
+    assert not block.swap and block.spec["tile"] == (64, 64)
+
+
 def test_swapped_config_limits():
-    """Swapped operands take the narrow MMA N (16, 32) and only there; they are 16-bit and
-    cooperative, and their spec key is new while every other variant's stays as it was."""
+    """Swapped operands take the narrow MMA N (16, 32) and only there; they are cooperative,
+    16-bit or FP8 with per-tensor or rowwise scales, and their spec key is new while every other
+    variant's stays as it was."""
     import cutlass
 
     from torch_cute_ops.kernels.sm90.gemm import Sm90Gemm
@@ -381,6 +431,10 @@ def test_swapped_config_limits():
         Sm90Gemm(bf16, bf16, True, True, False, None, GemmConfig(64, 16))
     with pytest.raises(ValueError, match="cooperative"):
         Sm90Gemm(bf16, bf16, True, True, False, None, GemmConfig(64, 32, swap_ab=True, pingpong=True))
+    e4m3 = cutlass.Float8E4M3FN
+    Sm90Gemm(e4m3, bf16, True, True, True, None, GemmConfig(128, 16, swap_ab=True), scale_mode="row")
+    with pytest.raises(ValueError, match="blockwise"):
+        Sm90Gemm(e4m3, bf16, True, True, False, None, GemmConfig(128, 16, swap_ab=True), scale_mode="block")
 
 
 @pytest.mark.parametrize("a_k_major,tile_n,out,act", [(False, 16, "bf16", "none"), (True, 32, "fp32", "gelu_tanh")])
@@ -391,5 +445,21 @@ def test_swapped_ptx(tmp_path, a_k_major, tile_n, out, act):
     compile_spec(spec, dump_dir=tmp_path)
     ptx = _ptx(tmp_path)
     assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k16" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "stmatrix" not in ptx and "st.global" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
+
+
+@pytest.mark.parametrize("mode,tile_n", [("row", 16), ("tensor", 32)])
+def test_fp8_swapped_ptx(tmp_path, mode, tile_n):
+    """FP8 on swapped operands (a decode step's tiles): m64nXk32 e4m3 WGMMAs, direct stores, the
+    rowwise scales read from global memory in the epilogue, no local memory."""
+    from torch_cute_ops.runtime.gemm import scaled_spec
+
+    e4m3 = torch.float8_e4m3fn
+    spec = scaled_spec(sm90_gemm, e4m3, e4m3, torch.bfloat16, torch.bfloat16, mode, "silu",
+                       GemmConfig(128, tile_n, swap_ab=True), 2)
+    compile_spec(spec, dump_dir=tmp_path)
+    ptx = _ptx(tmp_path)
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile_n}k32\.f32\.e4m3\.e4m3", ptx)
     assert "stmatrix" not in ptx and "st.global" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"

@@ -150,6 +150,25 @@ def test_e5m2_operands(a_dtype, b_dtype, mode):
 
 
 @pytest.mark.parametrize("mode", ["tensor", "row"])
+@pytest.mark.parametrize("m,n,k,lead,tile_n,a_dtype,b_dtype,out_dtype,bias_dtype,activation", [
+    (1, 4000, 4096, (), 16, E4M3, E4M3, torch.bfloat16, None, None),
+    (13, 1100, 1040, (2,), 16, E5M2, E4M3, torch.float32, torch.bfloat16, "gelu_tanh"),
+    (16, 4096, 512, (), 16, E4M3, E5M2, torch.float16, torch.float32, "silu"),
+    (29, 1096, 2048, (), 32, E4M3, E4M3, torch.bfloat16, torch.bfloat16, None),
+])
+def test_swapped_operands(mode, m, n, k, lead, tile_n, a_dtype, b_dtype, out_dtype, bias_dtype, activation):
+    """A decode step's rows on swapped operands (out^T = b^T @ a^T, 128 x 16 / 128 x 32): the
+    scales trade places with the operands, the bias runs along the kernel's rows; tails in M, N
+    and K, mixed e4m3 / e5m2, batched."""
+    from torch_cute_ops.runtime.gemm_config import GemmConfig
+
+    a, b, sa, sb = operands(mode, m, n, k, lead, a_dtype, b_dtype)
+    bias = None if bias_dtype is None else torch.randn(n, device="cuda").to(bias_dtype) * 4
+    out = run_kernel(a, b, sa, sb, mode, bias, activation, out_dtype, GemmConfig(128, tile_n, swap_ab=True))
+    check(out, reference(a, b, sa, sb, mode, bias, activation))
+
+
+@pytest.mark.parametrize("mode", ["tensor", "row"])
 def test_agrees_with_torch_scaled_mm(mode):
     a, b, sa, sb = operands(mode, 1024, 2048, 4096)
     ours = tco.scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)

@@ -183,18 +183,21 @@ class GemmLaunch:
 
 
 class ScaledGemmLaunch(GemmLaunch):
-    """An FP8 variant's launch: the scales ride along (one-element ones as a 1-vector)."""
+    """An FP8 variant's launch: the scales ride along (one-element ones as a 1-vector; with
+    ``swap`` rowwise ones trade places as columns: b's (1, N) scales the kernel's rows)."""
 
     __slots__ = ("scalar_scales",)
 
-    def __init__(self, fn, grid: int, a_view, b_view, out_view, spec: KernelSpec):
-        super().__init__(fn, grid, a_view, b_view, out_view, spec)
+    def __init__(self, fn, grid: int, a_view, b_view, out_view, spec: KernelSpec, swap: bool = False):
+        super().__init__(fn, grid, a_view, b_view, out_view, spec, swap)
         self.scalar_scales = spec["scale"] == "tensor"
 
     def __call__(self, a, b, scale_a, scale_b, bias, out) -> None:
         a, b, out = self.views(a, b, out)
         if self.scalar_scales:
             scale_a, scale_b = scale_a.reshape(1), scale_b.reshape(1)
+        elif self.swap:
+            scale_a, scale_b = scale_b.mT, scale_a.mT
         if bias is None:
             self.fn(a, b, scale_a, scale_b, out, self.grid)
         else:
@@ -227,10 +230,11 @@ class GemmHost:
         rank = len(a_shape)  # 2-D operands take the rank-2 variant: no 3-D views per call
         sms = sm_count(device_index)
         config = config or choose_config(self.arch, m, n, k, batch, sms, fp8=scale_mode is not None)
+        if scale_mode == "block":
+            config = block_scaled_config(config)
+        scaled = None if scale_mode is None else (scale_mode, b_dtype or dtype, bias_dtype if bias_layout else None)
         if config.swap_ab:
-            if scale_mode is not None:
-                return f"{self.kernel_name}: swapped operands (config.swap_ab) are 16-bit only"
-            return self._plan_swapped(a3, b3, dtype, bias_layout, activation, out_dtype, config, rank, sms)
+            return self._plan_swapped(a3, b3, dtype, bias_layout, activation, out_dtype, config, rank, sms, scaled)
         a_strides, a_k_major = operand_strides(*a3, dtype.itemsize)
         b_strides, b_n_major = operand_strides(*b3, dtype.itemsize)
         out_shape = (batch, m, n)
@@ -240,9 +244,8 @@ class GemmHost:
                              bias_layout is not None, activation, config, rank)
             launch_type = GemmLaunch
         else:
-            config = config if scale_mode != "block" else block_scaled_config(config)
-            spec = scaled_spec(self, dtype, b_dtype or dtype, out_dtype, bias_dtype if bias_layout else None,
-                               scale_mode, activation, config, rank)
+            scale_mode, b_dtype, bias_dtype = scaled
+            spec = scaled_spec(self, dtype, b_dtype, out_dtype, bias_dtype, scale_mode, activation, config, rank)
             launch_type = ScaledGemmLaunch
         if bias_layout is not None and n % 2:  # only single-row outputs: the bias read column by column
             spec = KernelSpec.make(spec.family, spec.arch, **dict(spec.params), odd_n=True)
@@ -252,19 +255,25 @@ class GemmHost:
                  _view(out_received, _contiguous_strides(out_received), out_shape[3 - rank:], o_strides[3 - rank:]))
         return launch_type(get_compiled(spec), sms // (config.cluster_m * config.cluster_n), *views, spec)
 
-    def _plan_swapped(self, a3, b3, dtype, bias_layout, activation, out_dtype, config, rank, sms):
+    def _plan_swapped(self, a3, b3, dtype, bias_layout, activation, out_dtype, config, rank, sms, scaled=None):
         """out^T = b^T @ a^T: the kernel's A is b^T (L, N, K), its B a^T (L, K, M), its out the
-        caller's row-major out seen as (L, N, M), M-major; the bias runs along its rows."""
+        caller's row-major out seen as (L, N, M), M-major; the bias runs along its rows.
+        ``scaled``: (scale mode, b's dtype, bias dtype) of FP8 operands, whose scales swap too."""
         (batch, m, k), n = a3[0], b3[0][2]
         (b_batch, b_k, b_n), (a_batch, a_m, a_k) = b3[1], a3[1]
         ka_strides, a_k_major = operand_strides((batch, n, k), (b_batch, b_n, b_k), dtype.itemsize)
         kb_strides, b_n_major = operand_strides((batch, k, m), (a_batch, a_k, a_m), dtype.itemsize)
         o_batch, o_m, o_n = out_strides((batch, m, n), out_dtype.itemsize)
-        spec = self.spec(DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], a_k_major, not b_n_major,
-                         bias_layout is not None, activation, config, rank)
         views = (((batch, n, k)[3 - rank:], ka_strides[3 - rank:]), ((batch, k, m)[3 - rank:], kb_strides[3 - rank:]),
                  ((batch, n, m)[3 - rank:], (o_batch, o_n, o_m)[3 - rank:]))
-        return GemmLaunch(get_compiled(spec), sms // (config.cluster_m * config.cluster_n), *views, spec, swap=True)
+        grid = sms // (config.cluster_m * config.cluster_n)
+        if scaled is not None:  # FP8 (K-major a and b: so are b^T and a^T); the kernel's A is b
+            scale_mode, b_dtype, bias_dtype = scaled
+            spec = scaled_spec(self, b_dtype, dtype, out_dtype, bias_dtype, scale_mode, activation, config, rank)
+            return ScaledGemmLaunch(get_compiled(spec), grid, *views, spec, swap=True)
+        spec = self.spec(DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], a_k_major, not b_n_major,
+                         bias_layout is not None, activation, config, rank)
+        return GemmLaunch(get_compiled(spec), grid, *views, spec, swap=True)
 
     def launch(self, a, b, bias, activation, out, alpha: float = 1.0, config: GemmConfig | None = None) -> None:
         """out = act(alpha * a @ b + bias) on the current stream, uncached (tests, benchmarks):
@@ -305,7 +314,10 @@ def scaled_spec(host: GemmHost, a_dtype, b_dtype, out_dtype, bias_dtype, scale_m
 
 
 def block_scaled_config(config: GemmConfig) -> GemmConfig:
-    """Blockwise scales keep a second accumulator per k-tile: at most 128 columns, cooperative."""
+    """Blockwise scales keep a second accumulator per k-tile: at most 128 columns, cooperative.
+    They have no swapped variant: a decode step's rows take 64 x 64 tiles instead."""
+    if config.swap_ab:
+        return GemmConfig(64, 64)
     if config.tile_n <= 128 and not config.pingpong:
         return config
     return dataclasses.replace(config, tile_n=128, pingpong=False)
@@ -347,7 +359,8 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
         host.spec("bf16", "bf16", True, False, True, "gelu_tanh", big, 2),
         host.spec("fp16", "fp16", True, False, False, None, big, 2),
         # FP8 x @ W.T at the tiles the heuristic gives it from a decode step's M up
-        *(scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "row", None, config, 2) for config in (big, *fp8_small)),
+        *(scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "row", None, config, 2)
+          for config in (big, *fp8_small, *decode)),
         *(scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "block", None, config, 2) for config in fp8_small),
     ]
 

@@ -12,9 +12,9 @@ and this file never imports a kernel.
 
 Hopper (sm_90a) rules, for 16-bit inputs on a 132-SM H100/H200:
 
-* ``M <= 32`` (16-bit): swapped operands on ``128 x 16`` / ``128 x 32`` tiles (out^T = b^T @
-  a^T), the way cuBLAS runs a decode step: every stage carries 16 KB of the weight instead of
-  a 64-row A tile that is mostly padding.
+* ``M <= 32``: swapped operands on ``128 x 16`` / ``128 x 32`` tiles (out^T = b^T @ a^T), the
+  way cuBLAS runs a decode step: every stage carries 16 KB of the weight (16-bit; 128 x 128
+  FP8 values) instead of a 64-row A tile that is mostly padding.
 * ``M <= 64``: one consumer warpgroup, ``64 x 128`` tiles (``64 x 64`` when that
   still leaves SMs idle); these shapes are bound by reading B, so more CTAs win.
 * otherwise 128-row tiles with two consumer warpgroups (each owns 64 rows), ``tile_n``
@@ -134,12 +134,14 @@ def wave_fill(tiles: int, sm_count: int) -> float:
 # narrow N, so the weight is read once. H100, bf16, against 64 x 64 (the rule before), same
 # runs, of cuBLAS: 1 x 4096 x 4096 0.99 vs 0.82, 8 x 4096 x 14336 1.02 vs 0.88, 16 x 4096 x
 # 14336 1.01 vs 0.84; 32 rows (128 x 32) 0.97-1.02 vs 0.92-0.95; at 48 and 64 rows 64 x 64
-# wins (the weight would be read twice). bench/NOTES.md, session 21.
+# wins (the weight would be read twice). FP8 rowwise, of torch._scaled_mm: 1.07-1.39x vs
+# 1.01-1.25x at M = 1 and 16, 1.06-1.29x vs 1.07-1.20x at 32 rows. Blockwise scales have no
+# swapped variant (runtime.gemm.block_scaled_config). bench/NOTES.md, session 21.
 SM90_SWAP_MAX_M = 32
 
 
 def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int, fp8: bool = False) -> GemmConfig:
-    if m <= SM90_SWAP_MAX_M and not fp8:
+    if m <= SM90_SWAP_MAX_M:
         return GemmConfig(128, 16 if m <= 16 else 32, swap_ab=True)
     if m <= 64:
         tile_n = 128 if num_tiles(m, n, batch, 64, 128) >= sm_count else 64

@@ -33,6 +33,11 @@ fragment that is then added to the running one times ``scale_a[row] * scale_b[bl
 the tensor cores' reduced-precision FP8 accumulation never spans more than 128 of K. Two such
 fragments take turns, so a k-tile is promoted while the next one's batch runs.
 
+Swapped operands (``GemmConfig.swap_ab``, a decode step's rows on the MMA's narrow N) compute
+out^T = b^T @ a^T from views the launch passes: the bias runs along the kernel's rows, the out
+is M-major and stored from registers. Rowwise scales swap with their operands (the kernel's
+``scale_a`` is the caller's ``scale_b`` seen as a column), so the epilogue is the same.
+
 The tile schedule is :class:`~..common.tile_scheduler.PersistentTileScheduler`
 (banded rasterization for L2 reuse); the tile/cluster come from
 :func:`torch_cute_ops.runtime.gemm_config.choose_config`.
@@ -87,8 +92,8 @@ class Sm90Gemm:
         narrow_n = (16, 32) if config.swap_ab else ()  # a decode step's few rows as the MMA's N
         if config.tile_m not in (64, 128) or config.tile_n not in (*narrow_n, 64, 128, 192, 256):
             raise ValueError(f"unsupported sm90 tile {config.tile_mn}")
-        if config.swap_ab and (scale_mode is not None or config.pingpong):
-            raise ValueError(f"swapped operands are 16-bit and cooperative only, got {config}")
+        if config.swap_ab and (scale_mode == "block" or config.pingpong):
+            raise ValueError(f"swapped operands are cooperative, without blockwise scales, got {config}")
         if scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
         if ab_dtype.width == 8 and not (a_k_major and b_k_major and scale_mode):
@@ -394,11 +399,9 @@ class Sm90Gemm:
         num_work_units = sched.num_work_units
         while work_idx < num_work_units:
             tile_m_idx, tile_n_idx, batch_idx = sched.tile_coord(work_idx)
-            if cutlass.const_expr(self.swap_ab):
-                column_values = (self._row_bias(tCcC, mBias, tile_m_idx * tile_m, mC_mnl.shape), {})
-            else:
-                column_values = self._column_values(tCcC, mBias, mScaleB, tile_n_idx * tile_n, mC_mnl.shape,
-                                                    batch_idx)
+            column_values = self._column_values(tCcC, mBias, mScaleB, tile_n_idx * tile_n, mC_mnl.shape, batch_idx)
+            if cutlass.const_expr(self.swap_ab):  # the bias runs along the rows, scale_b (a's) along the columns
+                column_values = (self._row_bias(tCcC, mBias, tile_m_idx * tile_m, mC_mnl.shape), column_values[1])
 
             if cutlass.const_expr(self.pingpong):
                 my_turn.arrive_and_wait()
@@ -582,7 +585,8 @@ class Sm90Gemm:
         column's, odd column's)}, same for scale_b), each loaded once and issued before the main
         loop so that their latency hides under it. The fragment's values are ((2 cols, 2 rows,
         n/8 col groups), m, n): a pair of adjacent columns, the first even, is one 32-bit load
-        when both are inside N; columns past N read the last column's value (never stored)."""
+        when both are inside N; columns past N read the last column's value (never stored).
+        Swapped operands leave the bias to :meth:`_row_bias`."""
         last_col = mn_shape[1] - 1
         bias, scale_b = {}, {}
         for i in cutlass.range_constexpr(cute.size(tCcC)):
@@ -590,7 +594,7 @@ class Sm90Gemm:
             pair = (coord[0][2], coord[2])
             if cutlass.const_expr(coord[0][0] == 0 and coord[0][1] == 0 and coord[1] == 0):
                 col = col_start + tCcC[i][1]  # even
-                if cutlass.const_expr(self.has_bias):
+                if cutlass.const_expr(self.has_bias and not self.swap_ab):
                     bias[pair] = self._load_pair(mBias, col, last_col)
                 if cutlass.const_expr(self.scale_mode == "row"):
                     scale_b[pair] = (mScaleB[0, cutlass.min(col, last_col), batch_idx],
