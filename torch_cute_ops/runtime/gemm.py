@@ -232,9 +232,10 @@ class GemmHost:
         config = config or choose_config(self.arch, m, n, k, batch, sms, fp8=scale_mode is not None)
         if scale_mode == "block":
             config = block_scaled_config(config)
-        scaled = None if scale_mode is None else (scale_mode, b_dtype or dtype, bias_dtype if bias_layout else None)
+        b_dtype, bias_dtype = b_dtype or dtype, bias_dtype if bias_layout is not None else None
         if config.swap_ab:
-            return self._plan_swapped(a3, b3, dtype, bias_layout, activation, out_dtype, config, rank, sms, scaled)
+            return self._plan_swapped(a3, b3, dtype, bias_layout, activation, out_dtype, config, rank, sms,
+                                      scale_mode, b_dtype, bias_dtype)
         a_strides, a_k_major = operand_strides(*a3, dtype.itemsize)
         b_strides, b_n_major = operand_strides(*b3, dtype.itemsize)
         out_shape = (batch, m, n)
@@ -244,7 +245,6 @@ class GemmHost:
                              bias_layout is not None, activation, config, rank)
             launch_type = GemmLaunch
         else:
-            scale_mode, b_dtype, bias_dtype = scaled
             spec = scaled_spec(self, dtype, b_dtype, out_dtype, bias_dtype, scale_mode, activation, config, rank)
             launch_type = ScaledGemmLaunch
         if bias_layout is not None and n % 2:  # only single-row outputs: the bias read column by column
@@ -255,10 +255,11 @@ class GemmHost:
                  _view(out_received, _contiguous_strides(out_received), out_shape[3 - rank:], o_strides[3 - rank:]))
         return launch_type(get_compiled(spec), sms // (config.cluster_m * config.cluster_n), *views, spec)
 
-    def _plan_swapped(self, a3, b3, dtype, bias_layout, activation, out_dtype, config, rank, sms, scaled=None):
+    def _plan_swapped(self, a3, b3, dtype, bias_layout, activation, out_dtype, config, rank, sms, scale_mode,
+                      b_dtype, bias_dtype):
         """out^T = b^T @ a^T: the kernel's A is b^T (L, N, K), its B a^T (L, K, M), its out the
-        caller's row-major out seen as (L, N, M), M-major; the bias runs along its rows.
-        ``scaled``: (scale mode, b's dtype, bias dtype) of FP8 operands, whose scales swap too."""
+        caller's row-major out seen as (L, N, M), M-major; the bias runs along its rows. FP8
+        operands (``scale_mode`` set) swap their dtypes and scales too."""
         (batch, m, k), n = a3[0], b3[0][2]
         (b_batch, b_k, b_n), (a_batch, a_m, a_k) = b3[1], a3[1]
         ka_strides, a_k_major = operand_strides((batch, n, k), (b_batch, b_n, b_k), dtype.itemsize)
@@ -267,8 +268,7 @@ class GemmHost:
         views = (((batch, n, k)[3 - rank:], ka_strides[3 - rank:]), ((batch, k, m)[3 - rank:], kb_strides[3 - rank:]),
                  ((batch, n, m)[3 - rank:], (o_batch, o_n, o_m)[3 - rank:]))
         grid = sms // (config.cluster_m * config.cluster_n)
-        if scaled is not None:  # FP8 (K-major a and b: so are b^T and a^T); the kernel's A is b
-            scale_mode, b_dtype, bias_dtype = scaled
+        if scale_mode is not None:  # FP8 (K-major a and b: so are b^T and a^T); the kernel's A is b
             spec = scaled_spec(self, b_dtype, dtype, out_dtype, bias_dtype, scale_mode, activation, config, rank)
             return ScaledGemmLaunch(get_compiled(spec), grid, *views, spec, swap=True)
         spec = self.spec(DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], a_k_major, not b_n_major,
