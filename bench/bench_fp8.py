@@ -14,7 +14,8 @@ triton.testing.do_bench medians through the public APIs, providers interleaved o
 * ``bf16``: ``tco.gemm`` on the bf16 operands; ``bare``: the rowwise launch plan called directly.
 
 Shapes: the GEMM bench shapes (bench_gemm.py) and, with ``--deepgemm``, DeepGEMM's dense shapes,
-printed next to the H800 figures DeepGEMM published (not measured here). Writes DIR/fp8.json.
+printed next to the H800 figures DeepGEMM published (not measured here); with ``--decode``, a
+serving batch's rows (bench_gemm.py's decode M shapes), summarized apart. Writes DIR/fp8.json.
 """
 
 import argparse
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_gemm import ANCHOR_SHAPES, LLM_SHAPES  # noqa: E402
+from bench.bench_gemm import ANCHOR_SHAPES, DECODE_M_SHAPES, LLM_SHAPES, fmt_tflops  # noqa: E402
 from bench.interleave import time_interleaved  # noqa: E402
 
 # DeepGEMM README (February 2025), normal dense GEMMs, H800 SXM, blockwise scales, bf16 out:
@@ -51,6 +52,7 @@ def main():
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--quick", action="store_true", help="anchor shapes only")
     parser.add_argument("--deepgemm", action="store_true", help="also DeepGEMM's published dense shapes")
+    parser.add_argument("--decode", action="store_true", help="also decode-sized M (1 to 64) at the LLM widths")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--configs", default="", help="extra tile configs to time bare (rowwise and blockwise "
                         "plans), e.g. '128x128c2x2,pp128x128c2x1' (pp = ping-pong)")
@@ -74,6 +76,8 @@ def main():
     shapes = ANCHOR_SHAPES if args.quick else list(dict.fromkeys(ANCHOR_SHAPES + LLM_SHAPES))
     if args.deepgemm:
         shapes += [s for s in DEEPGEMM_H800 if s not in shapes]
+    if args.decode:
+        shapes += [s for s in DECODE_M_SHAPES if s not in shapes]
     cols = ["tco tensor", "torch tensor", "tco row", "torch row", "tco block", "tco bf16", "bare row"]
     print(f"{dev}\n{'M x N x K':>22} " + " ".join(f"{c:>12}" for c in cols)
           + f" {'tensor/torch':>12} {'row/torch':>9} {'block/row':>9} {'row/bf16':>8} {'DeepGEMM*':>9}")
@@ -116,7 +120,7 @@ def main():
         row["row/bf16"] = row["tco row"] / row["tco bf16"]
         row["deepgemm_h800_published"] = DEEPGEMM_H800.get((m, n, k))
         results["rows"].append(row)
-        fmt = lambda v, w=12: f"{v:>{w}.0f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+        fmt = lambda v, w=12: fmt_tflops(v, w) if v is not None else f"{'-':>{w}}"  # noqa: E731
         ratio = lambda v, w: f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
         print(f"{m:>6} x {n:>5} x {k:>5} " + " ".join(fmt(row.get(c)) for c in cols)
               + f" {ratio(row['tensor/torch'], 12)} {ratio(row['row/torch'], 9)} {ratio(row['block/row'], 9)}"
@@ -130,6 +134,14 @@ def main():
     print(f"\nGEMM bench shapes: tensor/torch geomean {results['geomean tensor/torch']:.3f} "
           f"(min {results['min tensor/torch']:.3f}); row/torch geomean {results['geomean row/torch']:.3f} "
           f"(min {results['min row/torch']:.3f}); fallbacks {results['fallbacks'] or 'none'}")
+    decode_rows = [r for r in results["rows"] if tuple(r["shape"]) in set(DECODE_M_SHAPES)]
+    if decode_rows:
+        for key in ("tensor/torch", "row/torch"):
+            values = [r[key] for r in decode_rows]
+            results[f"decode geomean {key}"], results[f"decode min {key}"] = geomean(values), min(values)
+        print(f"decode M ({len(decode_rows)} shapes): tensor/torch geomean {results['decode geomean tensor/torch']:.3f}"
+              f" (min {results['decode min tensor/torch']:.3f}); row/torch geomean "
+              f"{results['decode geomean row/torch']:.3f} (min {results['decode min row/torch']:.3f})")
     print("* DeepGEMM: TFLOP/s published for an H800 (blockwise scales), not measured here")
     (out_dir / "fp8.json").write_text(json.dumps(results, indent=1))
 

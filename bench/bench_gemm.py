@@ -8,7 +8,9 @@ the public API (``tco.gemm``) beside cuBLAS (``torch.matmul``) and QuACK
 (``quack.gemm_interface.gemm``), plus a bare-kernel column (the cached launch plan called
 directly: no validation, dispatch or allocation), and prints TFLOP/s and ratios; also the
 fused bias + gelu_tanh epilogue against torch.addmm + F.gelu, the first-call compile time, and
-the eager per-call host time at 64x64x64 (``torch_cute_ops.measure.host_times``). Writes
+the eager per-call host time at 64x64x64 (``torch_cute_ops.measure.host_times``). ``--chain``
+adds chains of GEMMs issued back to back as a model's layers do (x <- x @ W_i, eager and as a
+CUDA graph replay, us per GEMM), where a GEMM's set-up overlaps the previous one's tail. Writes
 DIR/gemm.json (and DIR/gemm.png when matplotlib is there).
 """
 
@@ -33,7 +35,8 @@ LLM_SHAPES = [(m, n, k) for m in (1024, 4096, 16384) for n, k in LLM_NK]
 # few rows at LLM widths (#16's bar set): too few 128-row tiles to fill the GPU
 SMALL_M_SHAPES = [(m, n, k) for m in (128, 256, 512) for n, k in LLM_NK]
 # decode-sized M (a serving batch's tokens): B is all the bytes; #16 asks for a measurement, not a bar
-DECODE_M_SHAPES = [(m, n, k) for m in (1, 16, 64) for n, k in LLM_NK]
+DECODE_M_SHAPES = [(m, n, k) for m in (1, 16, 32, 64) for n, k in LLM_NK]
+CHAIN_ROWS, CHAIN_WIDTH, CHAIN_DEPTH = (1, 16, 64, 128, 256), 4096, 8
 FUSED_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 14336, 4096), (16384, 4096, 4096)]
 
 
@@ -49,6 +52,44 @@ def quack_runs(quack, a, b) -> bool:
 
 def tflops(m, n, k, ms):
     return 2 * m * n * k / ms / 1e9
+
+
+def fmt_tflops(value, width=6):
+    """Three significant digits down to a decode step's single-digit TFLOP/s."""
+    return f"{value:{width}.0f}" if value >= 100 else f"{value:{width}.1f}" if value >= 10 else f"{value:{width}.2f}"
+
+
+def chain_table(gemm, rounds):
+    """us per GEMM of CHAIN_DEPTH back-to-back GEMMs (x <- x @ W_i, CHAIN_WIDTH square weights)
+    through ``gemm`` and torch.matmul, eager and replayed as a CUDA graph."""
+    rows = []
+    print(f"\n{'chain of ' + str(CHAIN_DEPTH):>22} {'eager':>7} {'cuBLAS':>7} {'graph':>7} {'cuBLAS':>7}  us per GEMM")
+    for m in CHAIN_ROWS:
+        x = torch.randn(m, CHAIN_WIDTH, device="cuda", dtype=torch.bfloat16)
+        weights = [torch.randn(CHAIN_WIDTH, CHAIN_WIDTH, device="cuda", dtype=torch.bfloat16) / CHAIN_WIDTH ** 0.5
+                   for _ in range(CHAIN_DEPTH)]
+
+        def chain(matmul):
+            def run():
+                y = x
+                for w in weights:
+                    y = matmul(y, w)
+                return y
+            return run
+
+        calls = {"ours": chain(gemm), "cublas": chain(torch.matmul)}
+        for name in ("ours", "cublas"):
+            calls[name]()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                calls[name]()
+            calls[f"{name} graph"] = graph.replay
+        times = {name: ms * 1e3 / CHAIN_DEPTH for name, ms in time_interleaved(calls, rounds).items()}
+        rows.append({"rows": m, **times})
+        print(f"{m:>6} x {CHAIN_WIDTH:>5} x {CHAIN_WIDTH:>5} {times['ours']:7.2f} {times['cublas']:7.2f} "
+              f"{times['ours graph']:7.2f} {times['cublas graph']:7.2f}")
+    return rows
 
 
 def quack_gemm():
@@ -69,6 +110,7 @@ def main():
                         "'128x256c2x1,pp128x128c2x1,sw64x16c1x1' (pp = ping-pong, sw = swapped operands)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-fused", action="store_true", help="skip the fused-epilogue table")
+    parser.add_argument("--chain", action="store_true", help="also chains of back-to-back GEMMs (eager, graph)")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -134,12 +176,12 @@ def main():
         row["quack"] = tflops(m, n, k, times["quack"]) if "quack" in times else None
         row["configs"] = {name: tflops(m, n, k, times[f"config {name}"]) for name in extra}
         results["gemm"].append(row)
-        quack_cols = (f"{row['quack']:6.0f} {row['ours'] / row['quack']:6.2f}" if row["quack"]
+        quack_cols = (f"{fmt_tflops(row['quack'])} {row['ours'] / row['quack']:6.2f}" if row["quack"]
                       else f"{'-':>6} {'-':>6}")
-        print(f"{m:>6} x {n:>5} x {k:>5} {row['config_short']:>16} {row['ours']:6.0f} {row['cublas']:6.0f} "
-              f"{quack_cols.split()[0]:>6} {row['ours'] / row['cublas']:7.3f} {quack_cols.split()[1]:>6} "
-              f"{row['bare']:6.0f}  "
-              + " ".join(f"{name} {t:.0f}" for name, t in row["configs"].items()))
+        print(f"{m:>6} x {n:>5} x {k:>5} {row['config_short']:>16} {fmt_tflops(row['ours'])} "
+              f"{fmt_tflops(row['cublas'])} {quack_cols.split()[0]:>6} {row['ours'] / row['cublas']:7.3f} "
+              f"{quack_cols.split()[1]:>6} {fmt_tflops(row['bare'])}  "
+              + " ".join(f"{name} {fmt_tflops(t, 0)}" for name, t in row["configs"].items()))
 
     # the fused epilogue against our plain GEMM timed in the same rounds (the bar: within 2%)
     print(f"\n{'fused bias+gelu_tanh':>22} {'ours':>6} {'plain':>6} {'addmm+gelu':>10} {'/plain':>7} {'/addmm':>7}")
@@ -157,6 +199,9 @@ def main():
                                  "configs": configs})
         print(f"{m:>6} x {n:>5} x {k:>5} {ours_t:6.0f} {plain_t:6.0f} {eager_t:10.0f} {ours_t / plain_t:7.3f} "
               f"{ours_t / eager_t:7.2f}  " + " ".join(f"{name} {t:.0f}" for name, t in configs.items()))
+
+    if args.chain:
+        results["chain_us_per_gemm"] = chain_table(tco.gemm, args.rounds)
 
     results["host_overhead_us"] = host_overhead()
     # #16's bar is over the 15 grid shapes plus the few-row ones; decode-sized M is reported apart
