@@ -24,6 +24,9 @@ One CTA = one producer warpgroup + two consumer warpgroups (one for 64-row tiles
   subtiles and TMA stores from there (M/N tails clipped by the TMA unit); fp32
   outputs are stored from registers with M/N predicates. Meanwhile the producer
   already prefetches the next tile's k-tiles.
+* launch: a programmatic dependent launch. Barrier init and descriptor prefetch overlap
+  the previous kernel's tail; every thread waits for that grid before touching global
+  memory, then lets the next kernel launch (a model's back-to-back GEMMs).
 
 FP8 (``scale_mode`` set; e4m3 / e5m2, both operands K-major as FP8 WGMMA requires): k-tiles
 are 128 wide (128 bytes, one swizzle atom, as for 16-bit types). "tensor" and "row" scales
