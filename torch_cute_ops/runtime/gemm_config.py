@@ -52,7 +52,7 @@ class GemmConfig:
     pingpong: bool = False
     # Hopper: the kernel computes out^T = b^T @ a^T, so that a few rows of ``a`` (a decode
     # step's tokens) sit on the MMA's narrow N side (``tile_n`` 16 or 32) and the weight's N
-    # on its 64-row M side; tile_m / tile_n then tile the caller's N / M
+    # on its M side; tile_m / tile_n then tile the caller's N / M
     swap_ab: bool = False
 
     @property
