@@ -15,6 +15,7 @@ DIR/gemm.json (and DIR/gemm.png when matplotlib is there).
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -111,6 +112,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-fused", action="store_true", help="skip the fused-epilogue table")
     parser.add_argument("--chain", action="store_true", help="also chains of back-to-back GEMMs (eager, graph)")
+    parser.add_argument("--stream-k", action="store_true",
+                        help="a column with the heuristic's config toggled to/from stream-K (bare), where it applies")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -160,21 +163,26 @@ def main():
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         b = torch.randn(k, n, device="cuda", dtype=dtype)
         c = choose_config("sm_90a", m, n, k, 1, sm_count)
-        config_short = f"{'pp' * c.pingpong}{'sw' * c.swap_ab}{c.tile_m}x{c.tile_n} c{c.cluster_m}x{c.cluster_n}"
+        config_short = (f"{'pp' * c.pingpong}{'sw' * c.swap_ab}{c.tile_m}x{c.tile_n} c{c.cluster_m}x{c.cluster_n}"
+                        f"{' sk' * c.stream_k}")
         row = {"shape": [m, n, k], "config_short": config_short}
         calls = {"ours": ours(a, b), "cublas": lambda: torch.matmul(a, b), "bare": bare(a, b)}
         if quack and quack_runs(quack, a, b):
             calls["quack"] = lambda: quack(a, b)
-        for name, config in list(extra.items()):
+        shape_configs = dict(extra)
+        if args.stream_k and not c.pingpong:
+            shape_configs["toggled-sk"] = dataclasses.replace(c, stream_k=not c.stream_k)
+        for name, config in list(shape_configs.items()):
             try:
                 calls[f"config {name}"] = ours(a, b, config=config)
             except Exception as error:  # a config the kernel refuses: drop its column
                 print(f"config {name} refused: {error}")
-                del extra[name]
+                del shape_configs[name]
+                extra.pop(name, None)
         times = time_interleaved(calls, args.rounds)
         row.update({name: tflops(m, n, k, times[name]) for name in ("ours", "cublas", "bare")})
         row["quack"] = tflops(m, n, k, times["quack"]) if "quack" in times else None
-        row["configs"] = {name: tflops(m, n, k, times[f"config {name}"]) for name in extra}
+        row["configs"] = {name: tflops(m, n, k, times[f"config {name}"]) for name in shape_configs}
         results["gemm"].append(row)
         quack_cols = (f"{fmt_tflops(row['quack'])} {row['ours'] / row['quack']:6.2f}" if row["quack"]
                       else f"{'-':>6} {'-':>6}")
@@ -225,13 +233,14 @@ def main():
 
 def parse_config(name):
     """'pp128x192c2x1' -> GemmConfig(128, 192, 2, 1, pingpong=True); 'sw64x16c1x1' swaps the
-    operands (tile_m over N, tile_n over M)."""
+    operands (tile_m over N, tile_n over M); a trailing 'sk' splits the last waves along K
+    (stream-K)."""
     from torch_cute_ops.runtime.gemm_config import GemmConfig
 
-    pingpong, swap_ab = name.startswith("pp"), name.startswith("sw")
-    tile, cluster = name.removeprefix("pp").removeprefix("sw").split("c")
+    pingpong, swap_ab, stream_k = name.startswith("pp"), name.startswith("sw"), name.endswith("sk")
+    tile, cluster = name.removeprefix("pp").removeprefix("sw").removesuffix("sk").split("c")
     return GemmConfig(*map(int, tile.split("x")), *map(int, cluster.split("x")), pingpong=pingpong,
-                      swap_ab=swap_ab)
+                      swap_ab=swap_ab, stream_k=stream_k)
 
 
 def host_overhead():

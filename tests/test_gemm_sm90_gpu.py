@@ -179,6 +179,80 @@ def test_swapped_operands_transposed_rows():
              two_d=True)
 
 
+# stream-K: (M, N, K, batch, config, bias + activation, out dtype). Units over and under one wave
+# of clusters, tails in M, N and K, k-ranges shorter than a tile (units < clusters), K of one
+# k-tile (fewer stream-K clusters), 2 x 1 and 1 x 2 clusters, swapped operands, fp32 out.
+STREAM_K_CASES = [
+    (4096, 4096, 4096, 1, (128, 256, 2, 1), True, torch.bfloat16),
+    (3000, 5000, 1000, 1, (128, 256, 2, 1), False, torch.bfloat16),
+    (1000, 1000, 1000, 3, (128, 128, 1, 1), True, torch.float32),
+    (128, 12288, 4096, 1, (128, 128, 1, 1), False, torch.bfloat16),
+    (1000, 1000, 40, 1, (128, 128, 2, 1), True, torch.bfloat16),
+    (1000, 1000, 1000, 1, (128, 128, 1, 2), False, torch.bfloat16),
+    (64, 4096, 4096, 1, (64, 64, 1, 1), True, torch.bfloat16),
+    (520, 776, 392, 2, (64, 128, 2, 1), False, torch.float32),
+]
+
+
+@pytest.mark.parametrize("m,n,k,batch,config,epilogue,out_dtype", STREAM_K_CASES,
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)
+def test_stream_k(m, n, k, batch, config, epilogue, out_dtype):
+    """Stream-K variants (GemmConfig.stream_k): every tile whole after the finisher added the
+    partial sums, including the epilogue (bias + gelu_tanh)."""
+    from torch_cute_ops.runtime.gemm_config import GemmConfig
+
+    config = GemmConfig(*config, stream_k=True)
+    run_case(m, n, k, batch=batch, bias=epilogue, activation="gelu_tanh" if epilogue else None,
+             out_dtype=out_dtype, config=config, two_d=batch == 1)
+
+
+@pytest.mark.parametrize("m,n,k,batch,tile_n,out_dtype", [(1, 4096, 4096, 1, 16, torch.bfloat16),
+                                                          (32, 4000, 1000, 2, 32, torch.float32)])
+def test_stream_k_swapped(m, n, k, batch, tile_n, out_dtype):
+    """A decode step's swapped tiles with their K split over the idle SMs."""
+    from torch_cute_ops.runtime.gemm_config import GemmConfig
+
+    run_case(m, n, k, batch=batch, bias=True, out_dtype=out_dtype, two_d=batch == 1,
+             config=GemmConfig(128, tile_n, swap_ab=True, stream_k=True))
+
+
+def test_stream_k_is_deterministic_and_leaves_its_flags_down():
+    """Launches in a row (new inputs each time) and a CUDA graph replayed on new inputs: each
+    result right (a flag left raised would let a finisher add a stale slot), and the same
+    inputs give the same bits (partial sums are added in a fixed order)."""
+    from torch_cute_ops.runtime.gemm import SM90
+    from torch_cute_ops.runtime.gemm_config import GemmConfig
+
+    config = GemmConfig(128, 256, 2, 1, stream_k=True)
+    m, n, k = 4096, 4096, 1000
+    a, b = operand(1, m, k, True, torch.bfloat16)[0], operand(1, k, n, True, torch.bfloat16)[0]
+    outs = []
+    for _ in range(3):
+        outs.append(torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16))
+        SM90.launch(a, b, None, None, outs[-1], config=config)
+        a2, b2 = torch.randn_like(a), torch.randn_like(b)
+        other = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        SM90.launch(a2, b2, None, None, other, config=config)
+        torch.cuda.synchronize()
+        check(other, reference(a2, b2, None, None, torch.bfloat16), torch.bfloat16)
+    check(outs[0], reference(a, b, None, None, torch.bfloat16), torch.bfloat16)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+    static_a, static_b = a.clone(), b.clone()
+    static_out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    SM90.launch(static_a, static_b, None, None, static_out, config=config)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        SM90.launch(static_a, static_b, None, None, static_out, config=config)
+    for _ in range(2):
+        static_a.copy_(torch.randn_like(a))
+        static_b.copy_(torch.randn_like(b))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(static_out, reference(static_a, static_b, None, None, torch.bfloat16), torch.bfloat16)
+
+
 def test_op_layer():
     """torch.ops.cute.gemm runs this kernel (strict mode forbids the fallback)."""
     import torch_cute_ops  # noqa: F401  registers the ops

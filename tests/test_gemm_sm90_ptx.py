@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("cutlass")
 
 from torch_cute_ops.kernels import compile_spec  # noqa: E402
-from torch_cute_ops.kernels.common.tile_scheduler import PersistentTileScheduler  # noqa: E402
+from torch_cute_ops.kernels.common.tile_scheduler import STREAM_K_MIN_K_TILES, PersistentTileScheduler  # noqa: E402
 from torch_cute_ops.runtime.gemm import SM90 as sm90_gemm  # noqa: E402
 from torch_cute_ops.runtime.gemm import operand_strides  # noqa: E402
 from torch_cute_ops.runtime.gemm_config import GemmConfig, choose_config  # noqa: E402
@@ -463,3 +463,94 @@ def test_fp8_swapped_ptx(tmp_path, mode, tile_n):
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile_n}k32\.f32\.e4m3\.e4m3", ptx)
     assert "stmatrix" not in ptx and "st.global" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
+
+
+# ---- stream-K --------------------------------------------------------------------------
+
+def _stream_k_works(units, k_tiles, clusters):
+    """Every cluster's work items under StreamKSplit, evaluated on ints (the kernel evaluates the
+    same arithmetic on Int32 values)."""
+    from torch_cute_ops.kernels.common.tile_scheduler import StreamKSplit
+
+    split = StreamKSplit(units, k_tiles, clusters)
+    return split, {c: [split.work(c, j) for j in range(split.num_works(c))] for c in range(clusters)}
+
+
+@pytest.mark.parametrize("units,k_tiles,clusters", [
+    (1024, 128, 66), (256, 64, 66), (512, 64, 132), (96, 64, 132), (32, 64, 132), (64, 1, 132), (7, 3, 132),
+    (133, 16, 132), (264, 64, 132), (132, 64, 132), (1, 200, 132), (67, 2, 66), (500, 5, 132),
+])
+def test_stream_k_split_covers_every_k_tile_once(units, k_tiles, clusters):
+    """Each unit's k-tiles are computed exactly once; one work item per unit finishes it (holds
+    its last k-tile), and the clusters before it that hold the unit's other k-tiles each store one
+    partial segment, their first stream-K item (so no finisher waits on a waiting cluster); a
+    cluster stores at most one partial; every cluster walks the same number of k-tiles, give or
+    take one, apart from the data-parallel ones it would have idled through."""
+    split, works = _stream_k_works(units, k_tiles, clusters)
+    covered, finishers, partials = {}, {}, {}
+    for cluster, items in works.items():
+        for j, (unit, k_begin, k_end, first) in enumerate(items):
+            assert 0 <= unit < units and 0 <= k_begin < k_end <= k_tiles
+            for k in range(k_begin, k_end):
+                assert (unit, k) not in covered
+                covered[unit, k] = cluster
+            if k_end == k_tiles:
+                assert unit not in finishers
+                finishers[unit] = (cluster, first, k_begin)
+            else:
+                assert cluster not in partials and j == split.dp_waves, "one partial, the first stream-K item"
+                partials[cluster] = unit
+    assert len(covered) == units * k_tiles and sorted(finishers) == list(range(units))
+    for unit, (cluster, first, k_begin) in finishers.items():
+        contributors = [c for c, u in partials.items() if u == unit]
+        assert contributors == list(range(first, cluster)), (unit, cluster, first, contributors)
+        assert (k_begin == 0) == (first == cluster)
+    walked = [sum(k_end - k_begin for _, k_begin, k_end, _ in items) for items in works.values()]
+    assert all(w >= split.dp_waves * k_tiles for w in walked)
+    sk_walked = [w - split.dp_waves * k_tiles for w in walked[:split.sk_clusters]]
+    if sk_walked:  # a stream-K range is long enough to pay for its partial tile
+        assert max(sk_walked) - min(sk_walked) <= 1
+        assert min(sk_walked) >= min(STREAM_K_MIN_K_TILES, split.sk_k_tiles)
+
+
+def test_stream_k_split_keeps_full_waves_data_parallel():
+    """Whole waves stay data-parallel: no stream-K when the units fill every wave; otherwise the
+    last full wave joins the partial one (between one and two waves of units are split)."""
+    from torch_cute_ops.kernels.common.tile_scheduler import StreamKSplit
+
+    assert StreamKSplit(264, 64, 132).sk_units == 0
+    split = StreamKSplit(1024, 128, 66)  # 8192^3 on 128 x 256 tiles in 2 x 1 clusters
+    assert (split.dp_waves, split.sk_units, split.sk_clusters) == (14, 100, 66)
+    assert StreamKSplit(96, 64, 132).dp_waves == 0 and StreamKSplit(96, 64, 132).sk_clusters == 132
+
+
+def test_stream_k_ptx(tmp_path):
+    """A stream-K variant: the same main loop, partial sums stored and flags raised with release
+    semantics, finishers spinning with acquire loads, no local memory; a data-parallel variant
+    has none of it."""
+    ptx = {}
+    for name, stream_k in (("dp", False), ("sk", True)):
+        spec = sm90_gemm.spec("bf16", "bf16", True, False, True, "gelu_tanh",
+                              GemmConfig(128, 256, 2, 1, stream_k=stream_k), 2)
+        compile_spec(spec, dump_dir=tmp_path / name)
+        ptx[name] = _ptx(tmp_path / name)
+    wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n256k16"
+    assert len(re.findall(wgmma, ptx["sk"])) == len(re.findall(wgmma, ptx["dp"])) > 0
+    assert "ld.acquire.gpu.global.b32" in ptx["sk"] and "st.release.gpu.global.b32" in ptx["sk"]
+    assert "fence.acq_rel.gpu" in ptx["sk"] and "ld.global.cg.b32" in ptx["sk"] and "st.global.cg.b32" in ptx["sk"]
+    assert "ld.local" not in ptx["sk"] and "st.local" not in ptx["sk"], "register spills"
+    assert "ld.acquire" not in ptx["dp"] and "st.release" not in ptx["dp"]
+
+
+def test_stream_k_launch_takes_a_workspace(monkeypatch):
+    """A stream-K plan sizes one partial tile and one flag per CTA of its grid; others take none."""
+    from torch_cute_ops.runtime import gemm as host
+
+    monkeypatch.setattr(host, "get_compiled", lambda spec: spec)
+    monkeypatch.setattr(host, "sm_count", lambda index: 132)
+    for config, expect in [(GemmConfig(128, 256, 2, 1, stream_k=True), (132 * 128 * 256, 132)),
+                           (GemmConfig(128, 16, swap_ab=True, stream_k=True), (132 * 128 * 16, 132)),
+                           (GemmConfig(128, 256, 2, 1), None)]:
+        plan = host.SM90.plan((4096, 4096), (4096, 1), (4096, 4096), (4096, 1), torch.bfloat16, None, None,
+                              torch.bfloat16, 0, config)
+        assert plan.workspace_size == expect and plan.spec.get("stream_k", False) == config.stream_k

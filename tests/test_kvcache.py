@@ -123,18 +123,21 @@ def test_split_counts_of_the_decode_shapes_measured():
 
 
 def test_captured_launches_take_distinct_slots_of_a_zeroed_slab(monkeypatch):
-    """While a graph is captured, each dynamic-schedule launch gets its own counter: a slot of the
-    slab an eager call zeroed (no memset in the graph), never one handed out before; an eager
-    call renews the slab once half of it is handed out, keeping the old one alive."""
-    from torch_cute_ops.runtime import attention as rt
+    """While a graph is captured, each dynamic-schedule launch gets its own counter (and a stream-K
+    GEMM its own flags): words of the slab an eager call zeroed (no memset in the graph), never
+    ones handed out before; an eager call renews the slab once half of it is handed out, keeping
+    the old one alive."""
+    from torch_cute_ops.runtime import scratch as rt
 
     index = 7  # a device no test uses: the slab here is a CPU stand-in
     slab = torch.zeros(rt.CAPTURE_COUNTERS_PER_SLAB, dtype=torch.int32)
     monkeypatch.setitem(rt._capture_slabs, index, [slab, 0])
-    slots = [rt._capture_counter(torch.device("cuda", index)) for _ in range(3)]
+    slots = [rt._capture_words(torch.device("cuda", index), 1) for _ in range(3)]
     assert [s.data_ptr() for s in slots] == [slab.data_ptr() + 4 * i for i in range(3)]
     assert all(s.shape == (1,) and s.item() == 0 for s in slots)
-    assert rt._capture_slabs[index][1] == 3
+    flags = rt._capture_words(torch.device("cuda", index), 132)
+    assert flags.data_ptr() == slab.data_ptr() + 4 * 3 and flags.shape == (132,)
+    assert rt._capture_slabs[index][1] == 3 + 132
     monkeypatch.setattr(rt, "_retired_slabs", [])
     rt._capture_slabs[index][1] = rt.CAPTURE_COUNTERS_PER_SLAB // 2 + 1
     made = []

@@ -168,6 +168,23 @@ def test_swapped_operands(mode, m, n, k, lead, tile_n, a_dtype, b_dtype, out_dty
     check(out, reference(a, b, sa, sb, mode, bias, activation))
 
 
+@pytest.mark.parametrize("mode,m,n,k,config", [
+    ("row", 4096, 4096, 4096, (128, 256, 2, 1)),
+    ("tensor", 1000, 1000, 2048, (128, 128, 1, 1)),
+    ("block", 4096, 4096, 4096, (128, 128, 2, 1)),
+    ("block", 300, 1000, 1664, (128, 128, 1, 1)),
+])
+def test_stream_k(mode, m, n, k, config):
+    """Stream-K variants: a segment's blockwise scales start at its first k-tile; the finisher
+    applies the epilogue scales once, to the whole tile's sum."""
+    from torch_cute_ops.runtime.gemm_config import GemmConfig
+
+    a, b, sa, sb = operands(mode, m, n, k)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16) * 4
+    out = run_kernel(a, b, sa, sb, mode, bias, "silu", torch.bfloat16, GemmConfig(*config, stream_k=True))
+    check(out, reference(a, b, sa, sb, mode, bias, "silu"))
+
+
 @pytest.mark.parametrize("mode", ["tensor", "row"])
 def test_agrees_with_torch_scaled_mm(mode):
     a, b, sa, sb = operands(mode, 1024, 2048, 4096)

@@ -36,7 +36,8 @@ import torch
 from .cache import get_compiled
 from .attention_mask import bwd_mask_summary, dq_turns, fwd_mask_summary, kernel_mask, mask_summary
 from .attention_mask import mask_kind  # noqa: F401 (the op layer asks the host for it)
-from .lasting import lasting, outside_graph_pools
+from .lasting import lasting
+from .scratch import zeroed_int32
 from .spec import KernelSpec
 from .tma import TMA_ALIGN_BYTES, tma_reason
 
@@ -300,65 +301,10 @@ def _mask_placeholders(device_index: int) -> tuple:
             torch.zeros((1, 1, 1, 2), dtype=torch.int32, device=device))
 
 
-_tile_counters: dict[tuple[int, int], torch.Tensor] = {}
-
-# Captured launches take their counters from a slab zeroed by an eager call before the capture:
-# a zeroed counter made during the capture would be one more graph node (a memset, ~2 us of
-# every replay of a decode step). The kernel's last claim zeroes its counter again, so each
-# replay finds it at zero; every captured launch has its own slot, so graphs never share one.
-CAPTURE_COUNTERS_PER_SLAB = 4096
-_capture_slabs: dict[int, list] = {}  # device index -> [slab, slots handed out]
-_retired_slabs: list[torch.Tensor] = []  # slots of these may still live in captured graphs
-
-
-def _capture_counter(device: torch.device) -> torch.Tensor:
-    """During a capture: the next unused slot of the device's slab."""
-    slab = _capture_slabs.get(device.index)
-    if slab is None or slab[1] == CAPTURE_COUNTERS_PER_SLAB:  # no eager call made one: a captured memset
-        return torch.zeros(1, dtype=torch.int32, device=device)
-    slab[1] += 1
-    return slab[0][slab[1] - 1:slab[1]]
-
-
-def _ready_capture_slab(device_index: int) -> None:
-    """Outside a capture: a zeroed slab for the captures to come, a fresh one when half used."""
-    slab = _capture_slabs.get(device_index)
-    if slab is None or 2 * slab[1] > CAPTURE_COUNTERS_PER_SLAB:
-        if slab is not None:
-            _retired_slabs.append(slab[0])
-        device = torch.device("cuda", device_index)
-        slab = outside_graph_pools(device, lambda: torch.zeros(CAPTURE_COUNTERS_PER_SLAB, dtype=torch.int32,
-                                                               device=device))
-        _capture_slabs[device_index] = [slab, 0]
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only builds
-
-
-def _current_raw_stream(device_index: int) -> int:
-    """The current stream's handle (the C binding when this torch build has it: ~0.2 us)."""
-    if _raw_stream is not None:
-        return _raw_stream(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream
-
-
 def _tile_counter(device: torch.device) -> torch.Tensor:
-    """The dynamic schedule's tile counter of the current stream: zeroed once, and zeroed again
-    by every launch's last claim (``AttentionTileScheduler.claim_tile``), so launches in stream
-    order share it; launches on other streams, which may overlap, get their own. While a CUDA
-    graph is captured each launch gets its own slot of a slab zeroed ahead of the capture
-    (:func:`_capture_counter`): graphs replayed on different streams never share a counter."""
-    if device.type != "cuda":
-        return torch.zeros(1, dtype=torch.int32, device=device)
-    if torch._C._cuda_isCurrentStreamCapturing():
-        return _capture_counter(device)
-    key = (device.index, _current_raw_stream(device.index))
-    counter = _tile_counters.get(key)
-    if counter is None:
-        counter = _tile_counters[key] = outside_graph_pools(
-            device, lambda: torch.zeros(1, dtype=torch.int32, device=device))
-    _ready_capture_slab(device.index)
-    return counter
+    """The dynamic schedule's tile counter of the current stream (scratch.zeroed_int32): zeroed
+    again by every launch's last claim (``AttentionTileScheduler.claim_tile``)."""
+    return zeroed_int32(device, 1, "attention")
 
 
 @lasting

@@ -6,8 +6,9 @@ alignment check of the data pointers and one TVM-FFI call. Everything here is pl
 the CuTe DSL is imported only if a variant must be compiled.
 
 Kernel convention: the compiled function takes torch-order tensors a (L, M, K), b (L, K, N),
-[bias (N,)], out (L, M, N), then ``alpha`` and the persistent grid size, and reads the stream
-from the TVM-FFI env stream (the current torch stream).
+[bias (N,)], out (L, M, N), then ``alpha`` and the persistent grid size, then for a stream-K
+variant its workspace (partial sums, flags), and reads the stream from the TVM-FFI env stream
+(the current torch stream).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from .cache import get_compiled
 from .gemm_config import GemmConfig, choose_config
+from .scratch import scratch, zeroed_int32
 from .spec import KernelSpec
 from .tma import TMA_ALIGN_BYTES, tma_reason
 
@@ -156,11 +158,19 @@ class GemmLaunch:
     ``swap`` the kernel's A is a view of ``b`` (b^T), its B one of ``a`` (a^T), its out out^T.
     """
 
-    __slots__ = ("fn", "grid", "a_view", "b_view", "out_view", "spec", "swap")
+    __slots__ = ("fn", "grid", "a_view", "b_view", "out_view", "spec", "swap", "workspace_size")
 
     def __init__(self, fn, grid: int, a_view, b_view, out_view, spec: KernelSpec, swap: bool = False):
         self.fn, self.grid, self.spec, self.swap = fn, grid, spec, swap
         self.a_view, self.b_view, self.out_view = a_view, b_view, out_view
+        self.workspace_size = stream_k_workspace_size(spec, grid)
+
+    def workspace(self, device) -> tuple:
+        """A stream-K variant's trailing arguments (partial sums, flags), else none."""
+        if self.workspace_size is None:
+            return ()
+        partials, flags = self.workspace_size
+        return scratch(device, partials, torch.float32, "gemm stream-K"), zeroed_int32(device, flags, "gemm stream-K")
 
     def views(self, a, b, out):
         """The tensors as the kernel takes them (free views)."""
@@ -177,9 +187,9 @@ class GemmLaunch:
     def __call__(self, a, b, bias, out, alpha: float) -> None:
         a, b, out = self.views(a, b, out)
         if bias is None:
-            self.fn(a, b, out, alpha, self.grid)
+            self.fn(a, b, out, alpha, self.grid, *self.workspace(out.device))
         else:
-            self.fn(a, b, bias, out, alpha, self.grid)
+            self.fn(a, b, bias, out, alpha, self.grid, *self.workspace(out.device))
 
 
 class ScaledGemmLaunch(GemmLaunch):
@@ -199,9 +209,9 @@ class ScaledGemmLaunch(GemmLaunch):
         elif self.swap:
             scale_a, scale_b = scale_b.mT, scale_a.mT
         if bias is None:
-            self.fn(a, b, scale_a, scale_b, out, self.grid)
+            self.fn(a, b, scale_a, scale_b, out, self.grid, *self.workspace(out.device))
         else:
-            self.fn(a, b, scale_a, scale_b, bias, out, self.grid)
+            self.fn(a, b, scale_a, scale_b, bias, out, self.grid, *self.workspace(out.device))
 
 
 class GemmHost:
@@ -299,6 +309,17 @@ class GemmHost:
 
     def shipped(self) -> list[KernelSpec]:
         return _SHIPPED[self.arch](self)
+
+
+def stream_k_workspace_size(spec: KernelSpec, grid: int) -> tuple[int, int] | None:
+    """(fp32 partial sums, int32 flags) a stream-K variant launched on ``grid`` clusters takes:
+    one slot of a tile's values and one flag per CTA (kernels/common/tile_scheduler.py); None for
+    the other variants."""
+    if not spec.get("stream_k", False):
+        return None
+    (tile_m, tile_n), (cluster_m, cluster_n) = spec["tile"], spec["cluster"]
+    ctas = grid * cluster_m * cluster_n
+    return ctas * tile_m * tile_n, ctas
 
 
 def scaled_spec(host: GemmHost, a_dtype, b_dtype, out_dtype, bias_dtype, scale_mode: str, activation,

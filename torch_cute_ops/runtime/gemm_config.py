@@ -54,6 +54,9 @@ class GemmConfig:
     # step's tokens) sit on the MMA's narrow N side (``tile_n`` 16 or 32) and the weight's N
     # on its M side; tile_m / tile_n then tile the caller's N / M
     swap_ab: bool = False
+    # Hopper: the units of the last waves are split along K over all clusters (stream-K), so a
+    # tile count that leaves part of the last wave idle still keeps every SM busy to the end
+    stream_k: bool = False
 
     @property
     def tile_mn(self) -> tuple[int, int]:
@@ -71,7 +74,9 @@ class GemmConfig:
             "group": self.group_size,
             "band_m": self.band_along_m,
             "pingpong": self.pingpong,
-            **({"swap": True} if self.swap_ab else {}),  # the other variants' keys stay as they were
+            # the other variants' keys stay as they were
+            **({"swap": True} if self.swap_ab else {}),
+            **({"stream_k": True} if self.stream_k else {}),
         }
 
     @staticmethod
@@ -79,7 +84,7 @@ class GemmConfig:
         """Inverse of :meth:`spec_params`, from a KernelSpec (or any mapping with those keys)."""
         tile, cluster = params["tile"], params["cluster"]
         return GemmConfig(tile[0], tile[1], cluster[0], cluster[1], params["group"], params["band_m"],
-                          params["pingpong"], params.get("swap", False))
+                          params["pingpong"], params.get("swap", False), params.get("stream_k", False))
 
 
 Heuristic = Callable[[int, int, int, int, int, bool], GemmConfig]

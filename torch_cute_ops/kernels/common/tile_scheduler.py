@@ -131,6 +131,135 @@ class PersistentTileScheduler:
 
 
 # ---------------------------------------------------------------------------
+# GEMM: data-parallel waves, then stream-K over the rest
+# ---------------------------------------------------------------------------
+
+# A stream-K cluster walks at least this many k-tiles (fewer clusters take part otherwise):
+# below it the partial tile it stores and its finisher loads cost more than the k-tiles save.
+STREAM_K_MIN_K_TILES = 4
+
+
+def _at_least_one(x):
+    """1 where ``x`` > 0, else 0 (branch-free, for ints and Int32 alike)."""
+    return cutlass.min(cutlass.max(x, 0), 1)
+
+
+class StreamKSplit:
+    """How a stream-K launch divides its work units (clusters of tiles, ``k_tiles`` k-tiles each)
+    over ``clusters`` persistent clusters. Plain arithmetic on ints or DSL Int32 values: the host
+    plans and tests with ints, the kernel recomputes the same numbers on the device.
+
+    All but the last full wave run data-parallel (a whole unit per cluster, ``dp_waves`` of
+    them); the units left (the last full wave and the partial one: between one and two waves)
+    are cut into their k-tiles, and those are dealt out as contiguous ranges, one per cluster
+    of the first ``sk_clusters``: ``q`` k-tiles each, one more for the first ``r``. A unit
+    whose k-tiles span several clusters' ranges is finished (epilogue) by the cluster that
+    holds its last k-tile, after adding the partial sums the others stored.
+    """
+
+    def __init__(self, units, k_tiles, clusters):
+        self.units, self.k_tiles, self.clusters = units, k_tiles, clusters
+        full_waves = units // clusters
+        self.dp_waves = full_waves - _at_least_one(units - full_waves * clusters) * _at_least_one(full_waves)
+        self.dp_units = self.dp_waves * clusters
+        self.sk_units = units - self.dp_units
+        self.sk_k_tiles = self.sk_units * k_tiles
+        self.sk_clusters = (cutlass.min(cutlass.max(self.sk_k_tiles // STREAM_K_MIN_K_TILES, 1), clusters)
+                            * _at_least_one(self.sk_units))
+        self.q = self.sk_k_tiles // cutlass.max(self.sk_clusters, 1)
+        self.r = self.sk_k_tiles - self.q * self.sk_clusters
+
+    def range_of(self, cluster):
+        """[start, end) of a stream-K cluster's k-tiles, counted over the stream-K units."""
+        start = cluster * self.q + cutlass.min(cluster, self.r)
+        return start, start + self.q + _at_least_one(self.r - cluster)
+
+    def cluster_of(self, k_tile):
+        """The stream-K cluster whose range holds ``k_tile``."""
+        long_ones = self.r * (self.q + 1)  # k-tiles of the first r clusters, one longer each
+        in_long = _at_least_one(long_ones - k_tile)
+        return (in_long * (k_tile // (self.q + 1))
+                + (1 - in_long) * (self.r + cutlass.max(k_tile - long_ones, 0) // cutlass.max(self.q, 1)))
+
+    def num_works(self, cluster):
+        """Work items of a cluster: its data-parallel units, then its stream-K segments (one per
+        unit its range touches)."""
+        start, end = self.range_of(cluster)
+        segments = (end - 1) // self.k_tiles - start // self.k_tiles + 1
+        return self.dp_waves + _at_least_one(self.sk_clusters - cluster) * segments
+
+    def work(self, cluster, j):
+        """Work item ``j`` of a cluster: (unit, k_begin, k_end, first_cluster). Stream-K segments
+        run from the range's last unit back to its first, so the segment a cluster leaves to a
+        finisher (the head of the unit its range ends in) is the first it computes, and no
+        finisher waits on a cluster that is itself waiting. ``first_cluster`` is the cluster
+        whose range holds the unit's first k-tile: when it is not ``cluster`` and ``k_end ==
+        k_tiles``, clusters ``first_cluster .. cluster - 1`` stored partial sums to add."""
+        is_sk = _at_least_one(j - self.dp_waves + 1)
+        start, end = self.range_of(cluster)
+        sk_unit = (end - 1) // self.k_tiles - (j - self.dp_waves) * is_sk
+        unit_start = sk_unit * self.k_tiles
+        k_begin = (cutlass.max(start, unit_start) - unit_start) * is_sk
+        k_end = (cutlass.min(end, unit_start + self.k_tiles) - unit_start) * is_sk + (1 - is_sk) * self.k_tiles
+        unit = is_sk * (self.dp_units + sk_unit) + (1 - is_sk) * (cluster + j * self.clusters)
+        first_cluster = is_sk * self.cluster_of(unit_start) + (1 - is_sk) * cluster
+        return unit, k_begin, k_end, first_cluster
+
+
+class StreamKWork:
+    """One work item of a stream-K schedule, as a CTA sees it."""
+
+    def __init__(self, tile_m_idx, tile_n_idx, batch_idx, k_begin, k_end, first_cluster, cluster):
+        self.tile_m_idx, self.tile_n_idx, self.batch_idx = tile_m_idx, tile_n_idx, batch_idx
+        self.k_begin, self.k_end = k_begin, k_end
+        self.first_cluster, self.cluster = first_cluster, cluster
+
+
+class StreamKTileScheduler(PersistentTileScheduler):
+    """:class:`PersistentTileScheduler`'s tiles and rasterization, with the last waves' units
+    split along K (:class:`StreamKSplit`): where the units do not fill the clusters' last wave,
+    every cluster still ends at about the same time. A work index ``j`` counts this cluster's
+    work items from 0 (both CTAs of a cluster walk the same k-ranges, so B multicast holds).
+
+    The partial sums of the segments a unit's finisher does not compute go through a workspace:
+    each CTA owns one slot (it stores at most one partial tile per launch: the head of the unit
+    its range ends in) and one flag, set when the slot is written and cleared by the finisher
+    once it read it, so the flags are zero again when the launch ends.
+    """
+
+    def __init__(self, clusters_m, clusters_n, num_batches, cluster_shape_mn, group_size, band_along_m, k_tiles):
+        super().__init__(clusters_m, clusters_n, num_batches, cluster_shape_mn, group_size, band_along_m)
+        self.k_tiles = k_tiles
+
+    @staticmethod
+    def create(problem_shape_mnl, tile_shape_mn, cluster_shape_mn, group_size: int = 8,
+               band_along_m: bool = True, k_tiles=None) -> "StreamKTileScheduler":
+        base = PersistentTileScheduler.create(problem_shape_mnl, tile_shape_mn, cluster_shape_mn, group_size,
+                                              band_along_m)
+        return StreamKTileScheduler(base.clusters_m, base.clusters_n, base.num_batches, cluster_shape_mn,
+                                    group_size, band_along_m, Int32(k_tiles))
+
+    def __extract_mlir_values__(self):
+        return super().__extract_mlir_values__() + extract_mlir_values(self.k_tiles)
+
+    def __new_from_mlir_values__(self, values):
+        base = super().__new_from_mlir_values__(values[:3])
+        return StreamKTileScheduler(base.clusters_m, base.clusters_n, base.num_batches, self.cluster_shape_mn,
+                                    self.group_size, self.band_along_m, new_from_mlir_values(self.k_tiles, [values[3]]))
+
+    def split(self) -> StreamKSplit:
+        return StreamKSplit(self.num_work_units, self.k_tiles, Int32(cute.arch.grid_dim()[2]))
+
+    def num_works(self) -> Int32:
+        return self.split().num_works(Int32(cute.arch.block_idx()[2]))
+
+    def work(self, j: Int32) -> StreamKWork:
+        cluster = Int32(cute.arch.block_idx()[2])
+        unit, k_begin, k_end, first_cluster = self.split().work(cluster, j)
+        return StreamKWork(*self.tile_coord(unit), k_begin, k_end, first_cluster, cluster)
+
+
+# ---------------------------------------------------------------------------
 # attention: (query block, head, batch) tiles, static or dynamic
 # ---------------------------------------------------------------------------
 

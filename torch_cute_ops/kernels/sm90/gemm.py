@@ -60,7 +60,7 @@ from ...runtime.spec import KernelSpec
 from ...runtime.tma import TMA_ALIGN_BYTES
 from ..common.activation import apply_activation
 from ..common.gemm_operands import fake_operand, fake_scales, scales_to_kernel_order, to_kernel_order
-from ..common.tile_scheduler import PersistentTileScheduler
+from ..common.tile_scheduler import PersistentTileScheduler, StreamKTileScheduler
 
 
 # spec dtype string -> DSL type
@@ -95,6 +95,8 @@ class Sm90Gemm:
         narrow_n = (16, 32) if config.swap_ab else ()  # a decode step's few rows as the MMA's N
         if config.tile_m not in (64, 128) or config.tile_n not in (*narrow_n, 64, 128, 192, 256):
             raise ValueError(f"unsupported sm90 tile {config.tile_mn}")
+        if config.stream_k and config.pingpong:
+            raise ValueError(f"stream-K runs cooperative tiles, got {config}")
         if config.swap_ab and (scale_mode == "block" or config.pingpong):
             raise ValueError(f"swapped operands are cooperative, without blockwise scales, got {config}")
         if scale_mode not in SCALE_MODES:
@@ -116,6 +118,7 @@ class Sm90Gemm:
         self.activation = activation
         self.config = config
         self.swap_ab = config.swap_ab  # the bias runs along the kernel's M (the caller's N)
+        self.stream_k = config.stream_k  # the last waves split along K (StreamKTileScheduler)
         self.tile_shape_mnk = (config.tile_m, config.tile_n, TILE_K_BYTES * 8 // ab_dtype.width)
         self.cluster_shape_mn = config.cluster_mn
         self.pingpong = config.pingpong
@@ -154,28 +157,32 @@ class Sm90Gemm:
     # ---- host side -------------------------------------------------------------------
     @cute.jit
     def run_with_bias(self, mA: cute.Tensor, mB: cute.Tensor, mBias: cute.Tensor, mC: cute.Tensor,
-                      alpha: Float32, max_clusters: Int32, stream):
-        self._launch(mA, mB, mBias, mC, alpha, max_clusters, stream)
+                      alpha: Float32, max_clusters: Int32, stream, mPartials=None, mFlags=None):
+        self._launch(mA, mB, mBias, mC, alpha, max_clusters, stream, workspace=(mPartials, mFlags))
 
     @cute.jit
     def run(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, alpha: Float32, max_clusters: Int32,
-            stream):
+            stream, mPartials=None, mFlags=None):
         # without bias the kernel never reads its bias argument; C stands in for it
-        self._launch(mA, mB, mC, mC, alpha, max_clusters, stream)
+        self._launch(mA, mB, mC, mC, alpha, max_clusters, stream, workspace=(mPartials, mFlags))
 
     @cute.jit
     def run_scaled(self, mA: cute.Tensor, mB: cute.Tensor, mScaleA: cute.Tensor, mScaleB: cute.Tensor,
-                   mC: cute.Tensor, max_clusters: Int32, stream):
-        self._launch(mA, mB, mC, mC, Float32(1.0), max_clusters, stream, mScaleA, mScaleB)
+                   mC: cute.Tensor, max_clusters: Int32, stream, mPartials=None, mFlags=None):
+        self._launch(mA, mB, mC, mC, Float32(1.0), max_clusters, stream, mScaleA, mScaleB, (mPartials, mFlags))
 
     @cute.jit
     def run_scaled_with_bias(self, mA: cute.Tensor, mB: cute.Tensor, mScaleA: cute.Tensor,
                              mScaleB: cute.Tensor, mBias: cute.Tensor, mC: cute.Tensor, max_clusters: Int32,
-                             stream):
-        self._launch(mA, mB, mBias, mC, Float32(1.0), max_clusters, stream, mScaleA, mScaleB)
+                             stream, mPartials=None, mFlags=None):
+        self._launch(mA, mB, mBias, mC, Float32(1.0), max_clusters, stream, mScaleA, mScaleB, (mPartials, mFlags))
 
-    def _launch(self, mA, mB, mBias, mC, alpha, max_clusters, stream, mScaleA=None, mScaleB=None):
+    def _launch(self, mA, mB, mBias, mC, alpha, max_clusters, stream, mScaleA=None, mScaleB=None,
+                workspace=(None, None)):
+        """``workspace``: stream-K variants' (partial sums, flags), see StreamKTileScheduler;
+        the host sizes them with runtime.gemm.stream_k_workspace_size."""
         mA, mB, mC = to_kernel_order(mA, mB, mC)
+        mPartials, mFlags = workspace  # None unless stream-K
         if cutlass.const_expr(self.scale_mode is None):
             mScaleA = mScaleB = mC  # never read
         elif cutlass.const_expr(self.scale_mode != "tensor"):
@@ -209,7 +216,7 @@ class Sm90Gemm:
                 cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), self.epi_tile,
             )
 
-        sched = self._scheduler(mC)
+        sched = self._scheduler(mC, cute.ceil_div(mA.shape[1], self.tile_shape_mnk[2]))
         grid = sched.grid_shape(max_clusters)
         sC_elems = 1 if self.direct_store else cute.cosize(sC_layout)
 
@@ -223,7 +230,7 @@ class Sm90Gemm:
         self.shared_storage = SharedStorage
         self.kernel(
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tensor_c, mBias, mScaleA, mScaleB,
-            alpha, tiled_mma, sA_layout, sB_layout, sC_layout,
+            mPartials, mFlags, alpha, tiled_mma, sA_layout, sB_layout, sC_layout,
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
@@ -233,18 +240,19 @@ class Sm90Gemm:
             use_pdl=True,
         )
 
-    def _scheduler(self, mC) -> PersistentTileScheduler:
-        return PersistentTileScheduler.create(
-            mC.shape, self.tile_shape_mnk[:2], self.cluster_shape_mn,
-            self.config.group_size, self.config.band_along_m,
-        )
+    def _scheduler(self, mC, num_k_tiles) -> PersistentTileScheduler:
+        args = (mC.shape, self.tile_shape_mnk[:2], self.cluster_shape_mn, self.config.group_size,
+                self.config.band_along_m)
+        if cutlass.const_expr(self.stream_k):
+            return StreamKTileScheduler.create(*args, k_tiles=num_k_tiles)
+        return PersistentTileScheduler.create(*args)
 
     # ---- device side -----------------------------------------------------------------
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
                mB_nkl: cute.Tensor, tma_atom_c, mC_mnl: cute.Tensor, mBias: cute.Tensor, mScaleA: cute.Tensor,
-               mScaleB: cute.Tensor, alpha: Float32, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
-               sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout):
+               mScaleB: cute.Tensor, mPartials, mFlags, alpha: Float32, tiled_mma: cute.TiledMma,
+               sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = warp_idx // 4
@@ -284,7 +292,7 @@ class Sm90Gemm:
         gA = cute.local_tile(mA_mkl, (tile_m, tile_k), (None, None, None))
         gB = cute.local_tile(mB_nkl, (tile_n, tile_k), (None, None, None))
         num_k_tiles = cute.size(gA, mode=[3])
-        sched = self._scheduler(mC_mnl)
+        sched = self._scheduler(mC_mnl, num_k_tiles)
 
         pipeline.pipeline_init_wait(cluster_layout_mnk)
         # Launched early (programmatic dependent launch): the set-up above overlapped the
@@ -303,7 +311,7 @@ class Sm90Gemm:
         else:
             cute.arch.warpgroup_reg_alloc(self.mma_regs)
             self._consume(ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, mScaleA, mScaleB, alpha,
-                          sA, sB, sC, num_k_tiles, tidx - 128)
+                          sA, sB, sC, num_k_tiles, tidx - 128, (mPartials, mFlags))
 
     @cute.jit
     def _produce(self, ab_pipeline, sched, tma_atom_a, tma_atom_b, gA, gB, sA, sB,
@@ -322,26 +330,46 @@ class Sm90Gemm:
         b_mcast_mask = cute.make_layout_image_mask(cluster_layout_mnk, cluster_coord_mnk, mode=0) if self.b_mcast else 0
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        work_idx, num_work_units = sched.first_work_idx(), sched.num_work_units
+        work_idx, num_work_units, work_stride = self._work_walk(sched)
         while work_idx < num_work_units:
-            tile_m_idx, tile_n_idx, batch_idx = sched.tile_coord(work_idx)
+            tile_m_idx, tile_n_idx, batch_idx, k_begin, k_count, _ = self._work_tile(sched, work_idx, num_k_tiles)
             tAgA_tile = tAgA[(None, tile_m_idx, None, batch_idx)]
             tBgB_tile = tBgB[(None, tile_n_idx, None, batch_idx)]
-            for k_tile in cutlass.range(num_k_tiles, unroll=1):
+            for k_tile in cutlass.range(k_count, unroll=1):
+                k_idx = k_tile if cutlass.const_expr(not self.stream_k) else k_begin + k_tile
                 ab_pipeline.producer_acquire(state)
                 barrier = ab_pipeline.producer_get_barrier(state)
-                cute.copy(tma_atom_a, tAgA_tile[(None, k_tile)], tAsA[(None, state.index)],
+                cute.copy(tma_atom_a, tAgA_tile[(None, k_idx)], tAsA[(None, state.index)],
                           tma_bar_ptr=barrier, mcast_mask=a_mcast_mask)
-                cute.copy(tma_atom_b, tBgB_tile[(None, k_tile)], tBsB[(None, state.index)],
+                cute.copy(tma_atom_b, tBgB_tile[(None, k_idx)], tBsB[(None, state.index)],
                           tma_bar_ptr=barrier, mcast_mask=b_mcast_mask)
                 ab_pipeline.producer_commit(state)
                 state.advance()
-            work_idx += sched.work_stride()
+            work_idx += work_stride
         ab_pipeline.producer_tail(state)
+
+    def _work_walk(self, sched, group=None):
+        """(first work index, end, stride) of a walk over the schedule: the producer's (``group``
+        None) takes every unit of this cluster, a consumer tile group every num_tile_groups-th;
+        under stream-K both walk this cluster's own work items."""
+        if cutlass.const_expr(self.stream_k):
+            return Int32(0), sched.num_works(), 1
+        if cutlass.const_expr(group is None):
+            return sched.first_work_idx(), sched.num_work_units, sched.work_stride()
+        return (sched.first_work_idx() + sched.work_stride() * group, sched.num_work_units,
+                sched.work_stride() * self.num_tile_groups)
+
+    def _work_tile(self, sched, work_idx, num_k_tiles):
+        """(tile_m_idx, tile_n_idx, batch_idx, k_begin, k_count, stream-K work or None) of a work
+        index (stream-K: the segment's k-tiles, else all of them)."""
+        if cutlass.const_expr(self.stream_k):
+            work = sched.work(work_idx)
+            return work.tile_m_idx, work.tile_n_idx, work.batch_idx, work.k_begin, work.k_end - work.k_begin, work
+        return (*sched.tile_coord(work_idx), 0, num_k_tiles, None)
 
     @cute.jit
     def _consume(self, ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, mScaleA, mScaleB, alpha,
-                 sA, sB, sC, num_k_tiles, mma_tidx):
+                 sA, sB, sC, num_k_tiles, mma_tidx, workspace):
         """WGMMA main loop, then the fused epilogue, for every tile of this tile group."""
         group = mma_tidx // self.tile_threads
         group_tidx = mma_tidx % self.tile_threads
@@ -397,11 +425,11 @@ class Sm90Gemm:
         read_state = _advance_state(read_state, num_k_tiles * group)
         release_state = read_state.clone()
         subtiles_done = Int32(0)
-        work_stride = sched.work_stride() * self.num_tile_groups
-        work_idx = sched.first_work_idx() + sched.work_stride() * group
-        num_work_units = sched.num_work_units
+        if cutlass.const_expr(self.stream_k):
+            fixup_barrier = pipeline.NamedBarrier(barrier_id=1 + group, num_threads=self.tile_threads)
+        work_idx, num_work_units, work_stride = self._work_walk(sched, group)
         while work_idx < num_work_units:
-            tile_m_idx, tile_n_idx, batch_idx = sched.tile_coord(work_idx)
+            tile_m_idx, tile_n_idx, batch_idx, k_begin, k_count, work = self._work_tile(sched, work_idx, num_k_tiles)
             column_values = self._column_values(tCcC, mBias, mScaleB, tile_n_idx * tile_n, mC_mnl.shape, batch_idx)
             if cutlass.const_expr(self.swap_ab):  # the bias runs along the rows, scale_b (a's) along the columns
                 column_values = (self._row_bias(tCcC, mBias, tile_m_idx * tile_m, mC_mnl.shape), column_values[1])
@@ -410,12 +438,12 @@ class Sm90Gemm:
                 my_turn.arrive_and_wait()
             if cutlass.const_expr(self.scale_mode == "block"):
                 read_state = self._mainloop_block_scaled(
-                    ab_pipeline, tiled_mma, acc, acc_k_tiles, tCrA, tCrB, read_state, num_k_tiles, mScaleA, mScaleB,
-                    tCcC, tile_m_idx * tile_m, tile_n_idx * tile_n, mC_mnl.shape, batch_idx)
+                    ab_pipeline, tiled_mma, acc, acc_k_tiles, tCrA, tCrB, read_state, k_count, mScaleA, mScaleB,
+                    tCcC, tile_m_idx * tile_m, tile_n_idx * tile_n, mC_mnl.shape, batch_idx, k_begin)
                 release_state = read_state.clone()
             else:
                 read_state, release_state = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, read_state,
-                                                           release_state, num_k_tiles)
+                                                           release_state, k_count)
             if cutlass.const_expr(self.pingpong):
                 other_turn.arrive()
             if cutlass.const_expr(self.scale_mode != "block"):
@@ -426,37 +454,43 @@ class Sm90Gemm:
                 read_state = _advance_state(read_state, skip)
                 release_state = _advance_state(release_state, skip)
 
-            # ---- epilogue: alpha, bias and activation in fp32 registers, then out
-            self._scale_add_bias(acc, alpha, tCcC, column_values, mScaleA, tile_m_idx * tile_m, mC_mnl.shape,
-                                 batch_idx)
-            apply_activation(acc, self.activation)
-            if cutlass.const_expr(self.direct_store):
-                self._store_direct(acc, tCcC, mC_mnl, tile_m_idx, tile_n_idx, batch_idx)
-            else:
-                gC_subtiles = cute.zipped_divide(gC[(None, None, tile_m_idx, tile_n_idx, batch_idx)], self.epi_tile)
-                tCsC_store, tCgC_store = cpasync.tma_partition(
-                    tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_subtiles,
-                )
-                subtile_grid = gC_subtiles.shape[1]
-                subtile_order = cute.make_layout(subtile_grid, stride=(subtile_grid[1], 1))
-                subtile_size = cute.size(tRS_rC)
-                for subtile in cutlass.range_constexpr(cute.size(subtile_grid)):
-                    for v in cutlass.range_constexpr(subtile_size):
-                        tRS_rAcc_sub[v] = tRS_rAcc[subtile * subtile_size + v]
-                    tRS_rC.store(tRS_rAcc_sub.load().to(self.out_dtype))
-                    buffer = group * self.epi_stages + (subtiles_done + subtile) % self.epi_stages
-                    cute.copy(r2s_copy, tRS_rC, tRS_sC[(None, None, None, buffer)])
-                    # make the generic-proxy smem writes visible to the TMA unit
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    epi_barrier.arrive_and_wait()
-                    if is_store_warp:
-                        cute.copy(tma_atom_c, tCsC_store[(None, buffer)],
-                                  tCgC_store[(None, subtile_order.get_hier_coord(subtile))])
-                        store_pipeline.producer_commit()
-                        store_pipeline.producer_acquire()
-                    # the next write into the ring waits until its buffer's store has read it
-                    epi_barrier.arrive_and_wait()
-                subtiles_done += cute.size(subtile_grid)
+            # ---- stream-K: a segment that does not end its tile leaves its partial sums to the
+            # tile's finisher, which adds those of the segments before its own
+            finishes = True
+            if cutlass.const_expr(self.stream_k):
+                finishes = self._stream_k_fixup(acc, work, num_k_tiles, workspace, fixup_barrier, group_tidx)
+            if finishes:
+                # ---- epilogue: alpha, bias and activation in fp32 registers, then out
+                self._scale_add_bias(acc, alpha, tCcC, column_values, mScaleA, tile_m_idx * tile_m, mC_mnl.shape,
+                                     batch_idx)
+                apply_activation(acc, self.activation)
+                if cutlass.const_expr(self.direct_store):
+                    self._store_direct(acc, tCcC, mC_mnl, tile_m_idx, tile_n_idx, batch_idx)
+                else:
+                    gC_subtiles = cute.zipped_divide(gC[(None, None, tile_m_idx, tile_n_idx, batch_idx)], self.epi_tile)
+                    tCsC_store, tCgC_store = cpasync.tma_partition(
+                        tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_subtiles,
+                    )
+                    subtile_grid = gC_subtiles.shape[1]
+                    subtile_order = cute.make_layout(subtile_grid, stride=(subtile_grid[1], 1))
+                    subtile_size = cute.size(tRS_rC)
+                    for subtile in cutlass.range_constexpr(cute.size(subtile_grid)):
+                        for v in cutlass.range_constexpr(subtile_size):
+                            tRS_rAcc_sub[v] = tRS_rAcc[subtile * subtile_size + v]
+                        tRS_rC.store(tRS_rAcc_sub.load().to(self.out_dtype))
+                        buffer = group * self.epi_stages + (subtiles_done + subtile) % self.epi_stages
+                        cute.copy(r2s_copy, tRS_rC, tRS_sC[(None, None, None, buffer)])
+                        # make the generic-proxy smem writes visible to the TMA unit
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        epi_barrier.arrive_and_wait()
+                        if is_store_warp:
+                            cute.copy(tma_atom_c, tCsC_store[(None, buffer)],
+                                      tCgC_store[(None, subtile_order.get_hier_coord(subtile))])
+                            store_pipeline.producer_commit()
+                            store_pipeline.producer_acquire()
+                        # the next write into the ring waits until its buffer's store has read it
+                        epi_barrier.arrive_and_wait()
+                    subtiles_done += cute.size(subtile_grid)
             work_idx += work_stride
         if cutlass.const_expr(not self.direct_store):
             if is_store_warp:
@@ -481,8 +515,9 @@ class Sm90Gemm:
 
     @cute.jit
     def _mainloop_block_scaled(self, ab_pipeline, tiled_mma, acc, acc_k_tiles, tCrA, tCrB, read_state, num_k_tiles,
-                               mScaleA, mScaleB, tCcC, row_start, col_start, mn_shape, batch_idx):
-        """acc = sum over k-tiles of (A_k @ B_k) * scale_a[row, k] * scale_b[k, col // 128].
+                               mScaleA, mScaleB, tCcC, row_start, col_start, mn_shape, batch_idx, k_begin):
+        """acc = sum over k-tiles of (A_k @ B_k) * scale_a[row, k] * scale_b[k, col // 128], over
+        ``num_k_tiles`` k-tiles from ``k_begin`` (a stream-K segment's; 0 otherwise).
 
         Each k-tile's batch accumulates from zero into one of two k-tile accumulators, taking
         turns, and is promoted into ``acc`` (one FFMA per value) while the next k-tile's batch
@@ -509,6 +544,9 @@ class Sm90Gemm:
             scale_step[r] = Int64(mScaleA.layout.stride[1]) * (Float32.width // 8)
         scale_addr[frag_rows] = mScaleB[None, col_block, batch_idx].iterator.toint()
         scale_step[frag_rows] = Int64(mScaleB.layout.stride[0]) * (Float32.width // 8)
+        if cutlass.const_expr(self.stream_k):
+            for i in cutlass.range_constexpr(frag_rows + 1):
+                scale_addr[i] = scale_addr[i] + Int64(k_begin) * scale_step[i]
         # per k-tile accumulator: its scales, in the order of scale_addr
         even, odd = acc_k_tiles
         even_scales = cute.make_rmem_tensor((frag_rows + 1,), Float32)
@@ -569,6 +607,49 @@ class Sm90Gemm:
         for i in cutlass.range_constexpr(cute.size(acc)):
             coord = cute.idx2crd(i, acc.shape)
             acc[i] = acc[i] + acc_k[i] * row_scale[coord[0][1] + 2 * coord[1]]
+
+    @cute.jit
+    def _stream_k_fixup(self, acc, work, num_k_tiles, workspace, barrier, tidx):
+        """A stream-K segment's partial sums, after its main loop; returns whether this CTA
+        finishes the tile (runs its epilogue).
+
+        A segment that does not reach the tile's last k-tile stores ``acc`` into this CTA's
+        workspace slot (value ``i`` of thread ``t`` at ``i * tile_threads + t``: each store
+        instruction of a warp writes 128 contiguous bytes) and raises the slot's flag. The
+        finisher adds the slots of the clusters before it in cluster order (a fixed order: the
+        same inputs give the same bits), lowering each flag once it saw it raised, so every
+        flag is down again when the launch ends. Finishers only wait for segments their
+        writers compute first (StreamKSplit.work), so no wait is ever on a waiting CTA.
+        """
+        mPartials, mFlags = workspace
+        slot_values = cute.size(acc) * self.tile_threads
+        cluster_size = self.cluster_shape_mn[0] * self.cluster_shape_mn[1]
+        rank = Int32(cute.arch.block_idx_in_cluster())
+        finishes = work.k_end == num_k_tiles
+        if finishes:
+            for contributor in cutlass.range(work.first_cluster, work.cluster, unroll=1):
+                slot = contributor * cluster_size + rank
+                if tidx == 0:
+                    flag = (mFlags.iterator + slot)
+                    raised = Int32(0)
+                    while raised == 0:
+                        raised = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+                    cute.arch.store(flag, Int32(0))
+                barrier.arrive_and_wait()
+                partials = mPartials.iterator + (slot * slot_values + tidx)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = acc[i] + cute.arch.load((partials + i * self.tile_threads), Float32, cop="cg")
+        else:
+            slot = work.cluster * cluster_size + rank
+            partials = mPartials.iterator + (slot * slot_values + tidx)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                cute.arch.store((partials + i * self.tile_threads), acc[i], cop="cg")
+            # every thread's stores, then one release of the flag that covers them all
+            cute.arch.fence_acq_rel_gpu()
+            barrier.arrive_and_wait()
+            if tidx == 0:
+                cute.arch.store((mFlags.iterator + slot), Int32(1), sem="release", scope="gpu")
+        return finishes
 
     @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, zero_init: cutlass.Constexpr):
@@ -711,12 +792,17 @@ def build(spec: KernelSpec):
     mB = fake_operand(b_dtype, not gemm.b_k_major, rank)
     mC = fake_operand(out_dtype, not gemm.swap_ab, rank)  # swapped: out^T, M-major
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    # stream-K: the workspace (partial sums, flags) trails the arguments
+    workspace = ()
+    if gemm.stream_k:
+        workspace = (cute.runtime.make_fake_compact_tensor(Float32, (cute.sym_int32(),), assumed_align=16),
+                     cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4))
     bias = ()
     if gemm.has_bias:
         bias = (cute.runtime.make_fake_compact_tensor(bias_dtype, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES),)
     if scale_mode is not None:
         scales = (fake_scales(scale_mode, rank), fake_scales(scale_mode, rank))
         fn = gemm.run_scaled_with_bias if gemm.has_bias else gemm.run_scaled
-        return fn, (mA, mB, *scales, *bias, mC, Int32(1), stream)
+        return fn, (mA, mB, *scales, *bias, mC, Int32(1), stream, *workspace)
     fn = gemm.run_with_bias if gemm.has_bias else gemm.run
-    return fn, (mA, mB, *bias, mC, Float32(1.0), Int32(1), stream)
+    return fn, (mA, mB, *bias, mC, Float32(1.0), Int32(1), stream, *workspace)
