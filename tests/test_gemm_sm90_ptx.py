@@ -224,6 +224,13 @@ def test_config_heuristic():
     assert (small_k.tile_mn, small_k.cluster_mn, small_k.pingpong) == ((128, 192), (2, 1), True)
     assert not choose_config("sm_90a", 8192, 8192, 1024, fp8=True).pingpong
     assert not choose_config("sm_90a", 8192, 8192, 4096).pingpong
+    # stream-K from eight full waves of 2 x 1 clusters on, when the last one is partial (16-bit)
+    for shape, stream_k in (((8192, 8192, 8192), True), ((16384, 4096, 14336), True), ((4096, 12288, 4096), True),
+                            ((4096, 4096, 4096), False), ((4096, 4096, 14336), False), ((1024, 12288, 4096), False),
+                            ((16896, 4096, 4096), False)):  # 16896 rows: 1056 units, 16 full waves, none partial
+        assert choose_config("sm_90a", *shape).stream_k == stream_k, shape
+    assert not choose_config("sm_90a", 8192, 8192, 8192, fp8=True).stream_k
+    assert not choose_config("sm_90a", 8192, 8192, 1024).stream_k  # ping-pong
 
 
 @pytest.mark.parametrize("b_k_major", [False, True], ids=["x@W", "x@W.T"])

@@ -351,12 +351,14 @@ def sm_count(device_index: int) -> int:
 
 def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
     """bf16 row-major A and B at the three big tiles, the fused bias + gelu_tanh MLP epilogue,
-    nn.Linear's layout and its backward's (dW = x^T @ dy: M-major A), the fp16 twin; 2-D
+    nn.Linear's layout and its backward's (dW = x^T @ dy: M-major A), stream-K twins of those
+    for many-wave problems, the fp16 twin; 2-D
     operands (the eager common case), one batched; the tiles the heuristic gives few-row
     problems (M up to 512 at LLM widths), with row-major and with nn.Linear's B, and a decode
     step's swapped ones; FP8 e4m3 -> bf16 with rowwise and with blockwise scales at the tiles
     LLM widths take from M = 1."""
     big, medium = GemmConfig(128, 256, 2, 1), GemmConfig(128, 128, 2, 1)
+    big_stream_k = GemmConfig(128, 256, 2, 1, stream_k=True)  # many waves, the last one partial
     # 128 x 192 ping-pong: large M and N at K <= 1024, and the widths where it fills the waves
     wide_pingpong = GemmConfig(128, 192, 2, 1, pingpong=True)
     one_row_of_tiles, m64 = GemmConfig(128, 128), GemmConfig(64, 64)  # M <= 128, M <= 64
@@ -374,6 +376,10 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
         # x @ W.T [+ b]: nn.Linear's weight is K-major B
         *(host.spec("bf16", "bf16", True, True, has_bias, None, big, 2) for has_bias in (False, True)),
         host.spec("bf16", "bf16", False, False, False, None, big, 2),  # a weight's gradient, x^T @ dy
+        # the same four layouts where the tiles make many waves (a training step's 16k tokens)
+        *(host.spec("bf16", "bf16", a_k_major, b_k_major, has_bias, None, big_stream_k, 2)
+          for a_k_major, b_k_major, has_bias in ((True, False, False), (True, True, False), (True, True, True),
+                                                 (False, False, False))),
         *(host.spec("bf16", "bf16", True, b_k_major, False, None, config, 2)
           for config in few_rows for b_k_major in (False, True)),
         *decode_variants,

@@ -28,6 +28,8 @@ Hopper (sm_90a) rules, for 16-bit inputs on a 132-SM H100/H200:
   in ping-pong, whose epilogue overlaps the other warpgroup's short main loop.
 * a ``2 x 1`` cluster (B tile multicast to both CTAs of the pair, halving its L2
   reads) whenever there are at least two tile rows.
+* stream-K (16-bit, cooperative tiles) from eight full waves of work on, when the last wave
+  is partial (:data:`SM90_STREAM_K_MIN_WAVES`).
 * bands of 8 clusters along M for L2 reuse between the tiles of one wave.
 """
 
@@ -165,7 +167,27 @@ def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int, fp8: bool
         # B tile still read once, and a 13-stage ring (H100, 128 x 4096 x 4096: 189 vs 165
         # TFLOP/s; cuBLAS takes the same shape of tile there)
         return GemmConfig(64, 64, 2)
-    return GemmConfig(128, tile_n, cluster_m, pingpong=tile_n == 192)
+    config = GemmConfig(128, tile_n, cluster_m, pingpong=tile_n == 192)
+    return config if config.pingpong else _with_stream_k(config, m, n, batch, sm_count)
+
+
+# From this many full waves of work units (clusters of tiles) on, a 16-bit GEMM whose last wave
+# is partial runs stream-K (GemmConfig.stream_k): the last two waves' k-tiles are dealt out over
+# all clusters. H100, bf16, 128 x 256 tiles in 2 x 1 clusters, bare configs side by side in two
+# runs (bench/NOTES.md, session 22): 8192^3 +5% (697-708 vs 649-681 TFLOP/s), M = 16384 at the LLM
+# widths 0 to +3%, 4096 x 12288 / 14336 x 4096 (11-13 waves) even; at 4 waves or fewer it lost up
+# to 11% (4096 x 4096 x 14336, 512 x 14336 x 4096): the clusters' k-ranges start at unrelated
+# k-tiles, so the tiles of a wave no longer share their A rows and B columns through L2, and the
+# stream-K phase is most of the run there.
+SM90_STREAM_K_MIN_WAVES = 8
+
+
+def _with_stream_k(config: GemmConfig, m: int, n: int, batch: int, sm_count: int) -> GemmConfig:
+    clusters = max(sm_count // (config.cluster_m * config.cluster_n), 1)
+    units = (-(-m // (config.tile_m * config.cluster_m)) * -(-n // (config.tile_n * config.cluster_n))) * batch
+    if units // clusters >= SM90_STREAM_K_MIN_WAVES and units % clusters:
+        return GemmConfig(config.tile_m, config.tile_n, config.cluster_m, config.cluster_n, stream_k=True)
+    return config
 
 
 register_heuristic("sm_90a", _sm90_heuristic)

@@ -55,7 +55,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ...runtime.attention import STAT_PAD as _STAT_PAD
 from ...runtime.spec import KernelSpec
-from ..common.bulk import bulk_reduce_add_f32, nanosleep
+from ..common.bulk import bulk_reduce_add_f32, wait_for_value
 from ..common.flash_common import (
     LOG2_E, acc_as_rows_cols, convert_to_16bit, swizzled_smem_layout, tiled_wgmma, transposed_view, warpgroup_gemm,
 )
@@ -681,8 +681,7 @@ class FlashBwdSm90:
             if cute.arch.lane_idx() == 0:
                 if const_expr(self.deterministic):
                     count = mDqOrder.iterator + cute.crd2idx(tile_idx, mDqOrder.layout)
-                    while cute.arch.load(count, Int32, sem="acquire", scope="gpu") != turn:
-                        nanosleep(32)
+                    wait_for_value(count, turn)
                     cute.arch.fence_proxy("async.global")
                 bulk_reduce_add_f32(dst, src, self.dq_chunk * Float32.width // 8)
                 cute.arch.cp_async_bulk_commit_group()

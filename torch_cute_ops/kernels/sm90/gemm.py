@@ -59,6 +59,7 @@ from ...runtime.gemm_config import GemmConfig
 from ...runtime.spec import KernelSpec
 from ...runtime.tma import TMA_ALIGN_BYTES
 from ..common.activation import apply_activation
+from ..common.bulk import wait_for_value
 from ..common.gemm_operands import fake_operand, fake_scales, scales_to_kernel_order, to_kernel_order
 from ..common.tile_scheduler import PersistentTileScheduler, StreamKTileScheduler
 
@@ -630,10 +631,8 @@ class Sm90Gemm:
             for contributor in cutlass.range(work.first_cluster, work.cluster, unroll=1):
                 slot = contributor * cluster_size + rank
                 if tidx == 0:
-                    flag = (mFlags.iterator + slot)
-                    raised = Int32(0)
-                    while raised == 0:
-                        raised = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+                    flag = mFlags.iterator + slot
+                    wait_for_value(flag, Int32(1))
                     cute.arch.store(flag, Int32(0))
                 barrier.arrive_and_wait()
                 partials = mPartials.iterator + (slot * slot_values + tidx)
