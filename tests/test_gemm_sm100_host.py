@@ -131,7 +131,8 @@ class _Recorder:
 
 
 def test_launch_contract(monkeypatch):
-    """The compiled function gets (a, b[, bias], out, alpha, max_clusters) in torch order."""
+    """The compiled function gets (a, b[, bias], out, alpha, max_clusters, partials, flags) in torch
+    order, the stream-K workspace None (this arch has no stream-K variant)."""
     compiled = {}
 
     def fake_get_compiled(spec):
@@ -150,12 +151,13 @@ def test_launch_contract(monkeypatch):
     assert (spec["a_major"], spec["b_major"], spec["bias"], spec["act"]) == ("k", "k", True, "gelu_tanh")
     assert spec["tile"] == (256, 256) and spec["cluster"] == (4, 1)
     args = fn.calls[0]
-    assert len(args) == 6 and args[2] is bias and args[4] == 1.0 and args[5] == B200_SMS // 4
+    assert len(args) == 8 and args[2] is bias and args[4] == 1.0 and args[5] == B200_SMS // 4
+    assert args[6:] == (None, None)
     assert args[0].shape == a.shape and args[1].shape == b.shape and args[3].data_ptr() == out.data_ptr()
 
     sm100_gemm.launch(a, b, None, None, out, config=GemmConfig(128, 128))
     spec = [s for s in compiled if s["tile"] == (128, 128)][0]
-    assert len(compiled[spec].calls[0]) == 5 and compiled[spec].calls[0][4] == B200_SMS
+    assert len(compiled[spec].calls[0]) == 7 and compiled[spec].calls[0][4] == B200_SMS
     sm100_gemm.launch(a, b, None, None, out[:, :0])  # empty output: nothing to launch
     assert sum(len(r.calls) for r in compiled.values()) == 3
     assert sm100_gemm.spec("bf16", "bf16", True, True, False, None, GemmConfig(128, 128)).family == "gemm_sm100"
@@ -182,8 +184,8 @@ def test_fp8_launch_plan(monkeypatch, mode):
     scale = torch.ones(()) if mode == "tensor" else torch.ones(m, 1)
     plan(torch.empty(m, k), torch.empty(n, k).t(), scale, scale, torch.empty(n), torch.empty(m, n))
     (args,) = calls
-    assert len(args) == 7 and args[2].shape == ((1,) if mode == "tensor" else (m, 1))
-    assert args[-1] == B200_SMS // (spec["cluster"][0] * spec["cluster"][1])
+    assert len(args) == 9 and args[2].shape == ((1,) if mode == "tensor" else (m, 1))
+    assert args[-3] == B200_SMS // (spec["cluster"][0] * spec["cluster"][1]) and args[-2:] == (None, None)
     reason = sm100_gemm.plan((m, k), (k, 1), (k, n), (1, k), torch.float8_e4m3fn, None, None, torch.bfloat16, 0,
                              b_dtype=torch.float8_e4m3fn, scale_mode="block")
     assert reason == "sm100 gemm kernel: no FP8 variant with block scales"

@@ -56,8 +56,9 @@ def _check_call_contract(compiled, spec):
     else:
         lead = (1,) if spec["rank"] == 3 else ()
         args = (a, b, torch.ones(*lead, 64, 1), torch.ones(*lead, 1, 16), *bias, out)
-    with pytest.raises(ValueError, match=r"argument #0.*max_clusters: int32\)`, expected device_type=cuda"):
-        compiled(*args, 148)
+    with pytest.raises(ValueError, match=r"argument #0.*max_clusters: int32, mPartials: None, mFlags: None\)`, "
+                       r"expected device_type=cuda"):
+        compiled(*args, 148, None, None)
 
 
 def _ptxas_spills(ptx_path):

@@ -145,7 +145,8 @@ def test_fp8_launch_plan(monkeypatch, mode, shape, expect_tile):
     plan(a, b, scale, scale, torch.empty(n), torch.empty(m, n))
     passed_scale = calls[0][2]
     assert passed_scale.shape == ((1,) if mode == "tensor" else (m, 1))
-    assert calls[0][-1] == 132 // (spec["cluster"][0] * spec["cluster"][1])  # persistent clusters
+    assert calls[0][-3] == 132 // (spec["cluster"][0] * spec["cluster"][1])  # persistent clusters
+    assert calls[0][-2:] == (None, None)  # no stream-K workspace
 
 
 def _operand(batch, rows, cols, cols_major):
@@ -329,6 +330,8 @@ def _swapped_kernel_stand_in(calls):
     """What a swapped variant computes, in torch: out^T = act(A @ B + bias along rows), given the
     kernel-order views (A = b^T, B = a^T, out = out^T) the launch passes it."""
     def run(ka, kb, *rest):
+        *rest, partials, flags = rest  # a data-parallel variant's workspace: two Nones
+        assert partials is None and flags is None
         bias, kout = (rest[0], rest[1]) if len(rest) == 4 else (None, rest[0])
         kout.copy_(ka.double() @ kb.double() + (0 if bias is None else bias.double()[:, None]))
         calls.append((ka, kb, kout))
@@ -382,6 +385,8 @@ def test_fp8_swapped_launch_plan(monkeypatch, mode, batch, bias):
     calls = []
 
     def stand_in(ka, kb, ksa, ksb, *rest):
+        *rest, partials, flags = rest  # a data-parallel variant's workspace: two Nones
+        assert partials is None and flags is None
         kbias, kout = (rest[0], rest[1]) if len(rest) == 3 else (None, rest[0])
         result = (ka.double() @ kb.double()) * ksa.double() * ksb.double()  # (R, 1) x (1, C), or 1-vectors
         kout.copy_(result + (0 if kbias is None else kbias.double()[:, None]))
@@ -561,3 +566,27 @@ def test_stream_k_launch_takes_a_workspace(monkeypatch):
         plan = host.SM90.plan((4096, 4096), (4096, 1), (4096, 4096), (4096, 1), torch.bfloat16, None, None,
                               torch.bfloat16, 0, config)
         assert plan.workspace_size == expect and plan.spec.get("stream_k", False) == config.stream_k
+
+
+@pytest.mark.parametrize("stream_k", [False, True], ids=["data-parallel", "stream-K"])
+def test_exported_variants_take_the_launch_arguments(monkeypatch, tmp_path, stream_k):
+    """What a new process loads from the disk cache (or a prebuilt library) is the exported
+    function, which takes every parameter of the jit host function, the workspace's included:
+    the launch passes them all (on CPU tensors the call gets as far as the device check)."""
+    from torch_cute_ops.runtime import cache
+    from torch_cute_ops.runtime import gemm as host
+
+    monkeypatch.setenv("TORCH_CUTE_OPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(host, "sm_count", lambda index: 132)
+    monkeypatch.setattr(host, "scratch", lambda device, numel, dtype, owner: torch.empty(numel, dtype=dtype))
+    monkeypatch.setattr(host, "zeroed_int32", lambda device, count, owner: torch.zeros(count, dtype=torch.int32))
+    config = GemmConfig(64, 64, stream_k=stream_k)
+    a, b, out = (torch.randn(64, 64, dtype=torch.bfloat16) for _ in range(3))
+    spec = sm90_gemm.spec("bf16", "bf16", True, False, False, None, config, 2)
+    cache.get_compiled(spec)
+    cache.clear_memory_cache()  # what a new process sees: the exported function on disk
+    launch = sm90_gemm.plan((64, 64), (64, 1), (64, 64), (64, 1), torch.bfloat16, None, None, torch.bfloat16, 0,
+                            config)
+    assert launch.spec == spec
+    with pytest.raises(ValueError, match="Mismatched Tensor on argument #0"):  # not a parameter count
+        launch(a, b, None, out, 1.0)

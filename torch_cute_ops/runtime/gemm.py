@@ -6,9 +6,9 @@ alignment check of the data pointers and one TVM-FFI call. Everything here is pl
 the CuTe DSL is imported only if a variant must be compiled.
 
 Kernel convention: the compiled function takes torch-order tensors a (L, M, K), b (L, K, N),
-[bias (N,)], out (L, M, N), then ``alpha`` and the persistent grid size, then for a stream-K
-variant its workspace (partial sums, flags), and reads the stream from the TVM-FFI env stream
-(the current torch stream).
+[bias (N,)], out (L, M, N), then ``alpha`` and the persistent grid size, then a stream-K
+variant's workspace (partial sums, flags; two Nones for the other variants), and reads the
+stream from the TVM-FFI env stream (the current torch stream).
 """
 
 from __future__ import annotations
@@ -166,9 +166,11 @@ class GemmLaunch:
         self.workspace_size = stream_k_workspace_size(spec, grid)
 
     def workspace(self, device) -> tuple:
-        """A stream-K variant's trailing arguments (partial sums, flags), else none."""
+        """The trailing (partial sums, flags) arguments: a stream-K variant's workspace, Nones for
+        the others (every variant's exported function takes both; the jit host function ignores
+        them unless it is stream-K)."""
         if self.workspace_size is None:
-            return ()
+            return _NO_WORKSPACE
         partials, flags = self.workspace_size
         return scratch(device, partials, torch.float32, "gemm stream-K"), zeroed_int32(device, flags, "gemm stream-K")
 
@@ -309,6 +311,9 @@ class GemmHost:
 
     def shipped(self) -> list[KernelSpec]:
         return _SHIPPED[self.arch](self)
+
+
+_NO_WORKSPACE = (None, None)
 
 
 def stream_k_workspace_size(spec: KernelSpec, grid: int) -> tuple[int, int] | None:

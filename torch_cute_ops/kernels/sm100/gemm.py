@@ -172,25 +172,29 @@ class GemmSm100:
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
         return tiled_mma.make_fragment_C(cute.append(acc_shape, ACC_STAGES))
 
+    # Every GEMM variant's function ends with a stream-K workspace (partial sums, flags), the
+    # launch's common convention (runtime/gemm.py); this arch has no stream-K: always None.
     @cute.jit
     def run(self, mA_torch: cute.Tensor, mB_torch: cute.Tensor, mOut_torch: cute.Tensor,
-            alpha: cutlass.Float32, max_clusters: cutlass.Int32, stream):
+            alpha: cutlass.Float32, max_clusters: cutlass.Int32, stream, mPartials=None, mFlags=None):
         self._launch(mA_torch, mB_torch, None, mOut_torch, alpha, max_clusters, stream)
 
     @cute.jit
     def run_with_bias(self, mA_torch: cute.Tensor, mB_torch: cute.Tensor, mBias: cute.Tensor,
-                      mOut_torch: cute.Tensor, alpha: cutlass.Float32, max_clusters: cutlass.Int32, stream):
+                      mOut_torch: cute.Tensor, alpha: cutlass.Float32, max_clusters: cutlass.Int32, stream,
+                      mPartials=None, mFlags=None):
         self._launch(mA_torch, mB_torch, mBias, mOut_torch, alpha, max_clusters, stream)
 
     @cute.jit
     def run_scaled(self, mA_torch: cute.Tensor, mB_torch: cute.Tensor, mScaleA: cute.Tensor,
-                   mScaleB: cute.Tensor, mOut_torch: cute.Tensor, max_clusters: cutlass.Int32, stream):
+                   mScaleB: cute.Tensor, mOut_torch: cute.Tensor, max_clusters: cutlass.Int32, stream,
+                   mPartials=None, mFlags=None):
         self._launch(mA_torch, mB_torch, None, mOut_torch, Float32(1.0), max_clusters, stream, mScaleA, mScaleB)
 
     @cute.jit
     def run_scaled_with_bias(self, mA_torch: cute.Tensor, mB_torch: cute.Tensor, mScaleA: cute.Tensor,
                              mScaleB: cute.Tensor, mBias: cute.Tensor, mOut_torch: cute.Tensor,
-                             max_clusters: cutlass.Int32, stream):
+                             max_clusters: cutlass.Int32, stream, mPartials=None, mFlags=None):
         self._launch(mA_torch, mB_torch, mBias, mOut_torch, Float32(1.0), max_clusters, stream, mScaleA, mScaleB)
 
     def _launch(self, mA_torch, mB_torch, mBias, mOut_torch, alpha, max_clusters, stream, mScaleA=None,
