@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Float32, Int32
 from cutlass import const_expr
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
+from .bulk import wait_for_value
 from .dsl_state import DslState
 
 
@@ -258,6 +259,51 @@ class StreamKTileScheduler(PersistentTileScheduler):
         unit, k_begin, k_end, first_cluster = self.split().work(cluster, j)
         return StreamKWork(*self.tile_coord(unit), k_begin, k_end, first_cluster, cluster)
 
+
+
+@cute.jit
+def stream_k_fixup(acc: cute.Tensor, work: StreamKWork, k_tiles: Int32, cluster_shape_mn, workspace, barrier,
+                   tidx: Int32, num_threads: int):
+    """A :class:`StreamKTileScheduler` segment's partial sums after its main loop (``acc``: the
+    fp32 accumulator of the ``num_threads`` threads that share the tile, ``tidx`` among them,
+    ``barrier`` theirs; ``k_tiles`` and ``cluster_shape_mn`` the scheduler's); returns whether
+    this CTA finishes the tile (runs its epilogue).
+
+    A segment that does not reach the tile's last k-tile stores ``acc`` into this CTA's slot of
+    ``workspace`` = (partial sums, flags): value ``i`` of thread ``t`` at ``i * num_threads +
+    t``, so each store instruction of a warp writes 128 contiguous bytes; then it raises the
+    slot's flag. The finisher adds the slots of the clusters before it in cluster order (a fixed
+    order: the same inputs give the same bits), lowering each flag once it saw it raised.
+    Finishers only wait for segments their writers compute first (StreamKSplit.work), so no
+    wait is ever on a waiting CTA.
+    """
+    mPartials, mFlags = workspace
+    slot_values = cute.size(acc) * num_threads
+    cluster_size = cluster_shape_mn[0] * cluster_shape_mn[1]
+    rank = Int32(cute.arch.block_idx_in_cluster())
+    finishes = work.k_end == k_tiles
+    if finishes:
+        for contributor in cutlass.range(work.first_cluster, work.cluster, unroll=1):
+            slot = contributor * cluster_size + rank
+            if tidx == 0:
+                flag = mFlags.iterator + slot
+                wait_for_value(flag, Int32(1))
+                cute.arch.store(flag, Int32(0))
+            barrier.arrive_and_wait()
+            partials = mPartials.iterator + (slot * slot_values + tidx)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] + cute.arch.load(partials + i * num_threads, Float32, cop="cg")
+    else:
+        slot = work.cluster * cluster_size + rank
+        partials = mPartials.iterator + (slot * slot_values + tidx)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            cute.arch.store(partials + i * num_threads, acc[i], cop="cg")
+        # every thread's stores, then one release of the flag that covers them all
+        cute.arch.fence_acq_rel_gpu()
+        barrier.arrive_and_wait()
+        if tidx == 0:
+            cute.arch.store(mFlags.iterator + slot, Int32(1), sem="release", scope="gpu")
+    return finishes
 
 # ---------------------------------------------------------------------------
 # attention: (query block, head, batch) tiles, static or dynamic

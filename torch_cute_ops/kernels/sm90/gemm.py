@@ -59,9 +59,8 @@ from ...runtime.gemm_config import GemmConfig
 from ...runtime.spec import KernelSpec
 from ...runtime.tma import TMA_ALIGN_BYTES
 from ..common.activation import apply_activation
-from ..common.bulk import wait_for_value
 from ..common.gemm_operands import fake_operand, fake_scales, scales_to_kernel_order, to_kernel_order
-from ..common.tile_scheduler import PersistentTileScheduler, StreamKTileScheduler
+from ..common.tile_scheduler import PersistentTileScheduler, StreamKTileScheduler, stream_k_fixup
 
 
 # spec dtype string -> DSL type
@@ -459,7 +458,8 @@ class Sm90Gemm:
             # tile's finisher, which adds those of the segments before its own
             finishes = True
             if cutlass.const_expr(self.stream_k):
-                finishes = self._stream_k_fixup(acc, work, num_k_tiles, workspace, fixup_barrier, group_tidx)
+                finishes = stream_k_fixup(acc, work, num_k_tiles, self.cluster_shape_mn, workspace, fixup_barrier,
+                                          group_tidx, self.tile_threads)
             if finishes:
                 # ---- epilogue: alpha, bias and activation in fp32 registers, then out
                 self._scale_add_bias(acc, alpha, tCcC, column_values, mScaleA, tile_m_idx * tile_m, mC_mnl.shape,
@@ -608,47 +608,6 @@ class Sm90Gemm:
         for i in cutlass.range_constexpr(cute.size(acc)):
             coord = cute.idx2crd(i, acc.shape)
             acc[i] = acc[i] + acc_k[i] * row_scale[coord[0][1] + 2 * coord[1]]
-
-    @cute.jit
-    def _stream_k_fixup(self, acc, work, num_k_tiles, workspace, barrier, tidx):
-        """A stream-K segment's partial sums, after its main loop; returns whether this CTA
-        finishes the tile (runs its epilogue).
-
-        A segment that does not reach the tile's last k-tile stores ``acc`` into this CTA's
-        workspace slot (value ``i`` of thread ``t`` at ``i * tile_threads + t``: each store
-        instruction of a warp writes 128 contiguous bytes) and raises the slot's flag. The
-        finisher adds the slots of the clusters before it in cluster order (a fixed order: the
-        same inputs give the same bits), lowering each flag once it saw it raised, so every
-        flag is down again when the launch ends. Finishers only wait for segments their
-        writers compute first (StreamKSplit.work), so no wait is ever on a waiting CTA.
-        """
-        mPartials, mFlags = workspace
-        slot_values = cute.size(acc) * self.tile_threads
-        cluster_size = self.cluster_shape_mn[0] * self.cluster_shape_mn[1]
-        rank = Int32(cute.arch.block_idx_in_cluster())
-        finishes = work.k_end == num_k_tiles
-        if finishes:
-            for contributor in cutlass.range(work.first_cluster, work.cluster, unroll=1):
-                slot = contributor * cluster_size + rank
-                if tidx == 0:
-                    flag = mFlags.iterator + slot
-                    wait_for_value(flag, Int32(1))
-                    cute.arch.store(flag, Int32(0))
-                barrier.arrive_and_wait()
-                partials = mPartials.iterator + (slot * slot_values + tidx)
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    acc[i] = acc[i] + cute.arch.load((partials + i * self.tile_threads), Float32, cop="cg")
-        else:
-            slot = work.cluster * cluster_size + rank
-            partials = mPartials.iterator + (slot * slot_values + tidx)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                cute.arch.store((partials + i * self.tile_threads), acc[i], cop="cg")
-            # every thread's stores, then one release of the flag that covers them all
-            cute.arch.fence_acq_rel_gpu()
-            barrier.arrive_and_wait()
-            if tidx == 0:
-                cute.arch.store((mFlags.iterator + slot), Int32(1), sem="release", scope="gpu")
-        return finishes
 
     @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, zero_init: cutlass.Constexpr):
