@@ -327,14 +327,14 @@ def test_fp8_llm_shapes_run_shipped_variants(mode):
 
 
 def _swapped_kernel_stand_in(calls):
-    """What a swapped variant computes, in torch: out^T = act(A @ B + bias along rows), given the
-    kernel-order views (A = b^T, B = a^T, out = out^T) the launch passes it."""
-    def run(ka, kb, *rest):
+    """What a swapped variant computes, in torch, from the caller-order tensors the launch passes
+    (its jit host function makes the b^T, a^T, out^T views): out^T = b^T @ a^T + bias along rows."""
+    def run(a, b, *rest):
         *rest, partials, flags = rest  # a data-parallel variant's workspace: two Nones
         assert partials is None and flags is None
-        bias, kout = (rest[0], rest[1]) if len(rest) == 4 else (None, rest[0])
-        kout.copy_(ka.double() @ kb.double() + (0 if bias is None else bias.double()[:, None]))
-        calls.append((ka, kb, kout))
+        bias, out = (rest[0], rest[1]) if len(rest) == 4 else (None, rest[0])
+        out.mT.copy_(b.mT.double() @ a.mT.double() + (0 if bias is None else bias.double()[:, None]))
+        calls.append((a, b, out))
     return run
 
 
@@ -343,9 +343,9 @@ def _swapped_kernel_stand_in(calls):
     (33, 96, 64, 2, "x@W.T", False),
 ])
 def test_swapped_launch_plan(monkeypatch, m, n, k, batch, b_layout, bias):
-    """Swapped operands (config.swap_ab): the plan hands the kernel b^T, a^T and out^T as free
-    views of the caller's tensors, with the majorness they have, and the bias along the
-    kernel's rows; with torch standing in for the kernel, out = a @ b + bias (CPU, fp64)."""
+    """Swapped operands (config.swap_ab): the plan hands the kernel the caller's tensors as they
+    are (no per-call views: its jit host function trades their roles) and a variant whose A
+    majorness is b^T's; with torch standing in for the kernel, out = a @ b + bias (CPU, fp64)."""
     from torch_cute_ops.runtime import gemm as runtime_gemm
 
     monkeypatch.setattr(runtime_gemm, "sm_count", lambda index: 132)
@@ -367,30 +367,31 @@ def test_swapped_launch_plan(monkeypatch, m, n, k, batch, b_layout, bias):
     assert spec["a_major"] == ("k" if b_layout == "x@W.T" else "m") and spec["b_major"] == "k"
     out = torch.full(a.shape[:-1] + (n,), float("nan"))
     plan(a, b, bias_t, out, 1.0)
-    ka, kb, kout = calls[0]
-    assert ka.shape[-2:] == (n, k) and kb.shape[-2:] == (k, m) and kout.shape[-2:] == (n, m)
-    assert ka.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # views, no copies
-    assert kb.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    passed_a, passed_b, passed_out = calls[0]
+    assert passed_a is a and passed_b is b and passed_out is out
     expect = a.double() @ b.double() + (0 if bias_t is None else bias_t.double())
     torch.testing.assert_close(out.double(), expect)
 
 
 @pytest.mark.parametrize("mode,batch,bias", [("row", 1, True), ("row", 2, False), ("tensor", 1, False)])
 def test_fp8_swapped_launch_plan(monkeypatch, mode, batch, bias):
-    """FP8 on swapped operands: the kernel's A is b^T (b's dtype), its B a^T, and rowwise scales
-    trade places as the kernel's views: its row scales are b's (N, 1), its column scales a's
-    (1, M); with torch standing in for the kernel, out = (a * scale_a) @ (b * scale_b) + bias."""
+    """FP8 on swapped operands: the variant's A is b^T (b's dtype), its B a^T; the launch passes
+    the caller's tensors and scales as they are (the jit host function trades their roles: its
+    row scales are b's seen as (N, 1), its column scales a's as (1, M)); with torch standing in
+    for the kernel, out = (a * scale_a) @ (b * scale_b) + bias."""
     from torch_cute_ops.runtime import gemm as runtime_gemm
 
     calls = []
 
-    def stand_in(ka, kb, ksa, ksb, *rest):
+    def stand_in(a, b, sa, sb, *rest):  # the caller's tensors: the jit host function swaps them
         *rest, partials, flags = rest  # a data-parallel variant's workspace: two Nones
         assert partials is None and flags is None
-        kbias, kout = (rest[0], rest[1]) if len(rest) == 3 else (None, rest[0])
-        result = (ka.double() @ kb.double()) * ksa.double() * ksb.double()  # (R, 1) x (1, C), or 1-vectors
-        kout.copy_(result + (0 if kbias is None else kbias.double()[:, None]))
-        calls.append((ka, kb, ksa, ksb))
+        bias, out = (rest[0], rest[1]) if len(rest) == 3 else (None, rest[0])
+        # rowwise: b's (1, N) scales the kernel's rows, a's (M, 1) its columns; per-tensor: 1-vectors
+        scale = sa.double() * sb.double() if sa.dim() == 1 else sb.mT.double() * sa.mT.double()
+        result = (b.mT.double() @ a.mT.double()) * scale
+        out.mT.copy_(result + (0 if bias is None else bias.double()[:, None]))
+        calls.append((a, b, sa, sb))
 
     monkeypatch.setattr(runtime_gemm, "sm_count", lambda index: 132)
     monkeypatch.setattr(runtime_gemm, "get_compiled", lambda spec: stand_in)
@@ -414,10 +415,10 @@ def test_fp8_swapped_launch_plan(monkeypatch, mode, batch, bias):
     assert plan.spec["ab"] == "e5m2" and plan.spec["b"] == "e4m3" and plan.spec["scale"] == mode
     out = torch.full(a.shape[:-1] + (n,), float("nan"))
     plan(a, b, sa, sb, bias_t, out)
-    ka, kb, ksa, ksb = calls[0]
-    assert ka.shape[-2:] == (n, k) and kb.shape[-2:] == (k, m)
+    passed_a, passed_b, passed_sa, passed_sb = calls[0]
+    assert passed_a is a and passed_b is b  # no per-call views
     if mode == "row":
-        assert ksa.shape[-2:] == (n, 1) and ksb.shape[-2:] == (1, m)
+        assert passed_sa is sa and passed_sb is sb
     expect = (a.double() * sa.double()) @ (b.double() * sb.double()) + (0 if bias_t is None else bias_t.double())
     torch.testing.assert_close(out.double(), expect)
     # blockwise scales have no swapped variant: the plan takes the unswapped decode tile

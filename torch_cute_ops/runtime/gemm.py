@@ -151,11 +151,12 @@ def pointer_reason(a, b, bias) -> str | None:
 # ------------------------------------------------------------------------------- launch
 
 class GemmLaunch:
-    """One operand layout's launch: the compiled variant and the 3-D views it takes.
+    """One operand layout's launch: the compiled variant and the views it takes.
 
-    A view is ``None`` when the tensor already is what the kernel takes, else the
-    ``(shape, strides)`` of a free ``as_strided`` view (2-D operands, size-1 dims). With
-    ``swap`` the kernel's A is a view of ``b`` (b^T), its B one of ``a`` (a^T), its out out^T.
+    A view is ``None`` when the tensor already is what the kernel takes (the usual case), else
+    the ``(shape, strides)`` of a free ``as_strided`` view (size-1 dims with strides the TMA
+    would refuse). ``swap``: the variant computes out^T = b^T @ a^T from the same tensors (its
+    jit host function trades their roles).
     """
 
     __slots__ = ("fn", "grid", "a_view", "b_view", "out_view", "spec", "swap", "workspace_size")
@@ -176,8 +177,6 @@ class GemmLaunch:
 
     def views(self, a, b, out):
         """The tensors as the kernel takes them (free views)."""
-        if self.swap:
-            a, b = b, a
         if self.a_view is not None:
             a = a.as_strided(*self.a_view)
         if self.b_view is not None:
@@ -195,8 +194,7 @@ class GemmLaunch:
 
 
 class ScaledGemmLaunch(GemmLaunch):
-    """An FP8 variant's launch: the scales ride along (one-element ones as a 1-vector; with
-    ``swap`` rowwise ones trade places as columns: b's (1, N) scales the kernel's rows)."""
+    """An FP8 variant's launch: the scales ride along (one-element ones as a 1-vector)."""
 
     __slots__ = ("scalar_scales",)
 
@@ -208,8 +206,6 @@ class ScaledGemmLaunch(GemmLaunch):
         a, b, out = self.views(a, b, out)
         if self.scalar_scales:
             scale_a, scale_b = scale_a.reshape(1), scale_b.reshape(1)
-        elif self.swap:
-            scale_a, scale_b = scale_b.mT, scale_a.mT
         if bias is None:
             self.fn(a, b, scale_a, scale_b, out, self.grid, *self.workspace(out.device))
         else:
@@ -245,47 +241,34 @@ class GemmHost:
         if scale_mode == "block":
             config = block_scaled_config(config)
         b_dtype, bias_dtype = b_dtype or dtype, bias_dtype if bias_layout is not None else None
-        if config.swap_ab:
-            return self._plan_swapped(a3, b3, dtype, bias_layout, activation, out_dtype, config, rank, sms,
-                                      scale_mode, b_dtype, bias_dtype)
         a_strides, a_k_major = operand_strides(*a3, dtype.itemsize)
         b_strides, b_n_major = operand_strides(*b3, dtype.itemsize)
         out_shape = (batch, m, n)
         o_strides = out_strides(out_shape, out_dtype.itemsize)
-        if scale_mode is None:
+        launch_type = GemmLaunch if scale_mode is None else ScaledGemmLaunch
+        if config.swap_ab:
+            # out^T = b^T @ a^T: the kernel's A is b^T (K-major when b is), its B a^T (K-major when
+            # a is), its out out^T (M-major); its jit host function makes those views of the tensors
+            # the launch passes as for any variant. FP8 operands swap their dtypes (and scales) too.
+            if scale_mode is None:
+                spec = self.spec(DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], not b_n_major, a_k_major,
+                                 bias_layout is not None, activation, config, rank)
+            else:
+                spec = scaled_spec(self, b_dtype, dtype, out_dtype, bias_dtype, scale_mode, activation, config, rank)
+        elif scale_mode is None:
             spec = self.spec(DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], a_k_major, not b_n_major,
                              bias_layout is not None, activation, config, rank)
-            launch_type = GemmLaunch
         else:
             spec = scaled_spec(self, dtype, b_dtype, out_dtype, bias_dtype, scale_mode, activation, config, rank)
-            launch_type = ScaledGemmLaunch
-        if bias_layout is not None and n % 2:  # only single-row outputs: the bias read column by column
+        if bias_layout is not None and n % 2 and not config.swap_ab:
+            # only single-row outputs: the bias read column by column
             spec = KernelSpec.make(spec.family, spec.arch, **dict(spec.params), odd_n=True)
         out_received = tuple(a_shape[:-1]) + (n,)
         views = (_view(a_shape, a_stride, a3[0][3 - rank:], a_strides[3 - rank:]),
                  _view(b_shape, b_stride, b3[0][3 - rank:], b_strides[3 - rank:]),
                  _view(out_received, _contiguous_strides(out_received), out_shape[3 - rank:], o_strides[3 - rank:]))
-        return launch_type(get_compiled(spec), sms // (config.cluster_m * config.cluster_n), *views, spec)
-
-    def _plan_swapped(self, a3, b3, dtype, bias_layout, activation, out_dtype, config, rank, sms, scale_mode,
-                      b_dtype, bias_dtype):
-        """out^T = b^T @ a^T: the kernel's A is b^T (L, N, K), its B a^T (L, K, M), its out the
-        caller's row-major out seen as (L, N, M), M-major; the bias runs along its rows. FP8
-        operands (``scale_mode`` set) swap their dtypes and scales too."""
-        (batch, m, k), n = a3[0], b3[0][2]
-        (b_batch, b_k, b_n), (a_batch, a_m, a_k) = b3[1], a3[1]
-        ka_strides, a_k_major = operand_strides((batch, n, k), (b_batch, b_n, b_k), dtype.itemsize)
-        kb_strides, b_n_major = operand_strides((batch, k, m), (a_batch, a_k, a_m), dtype.itemsize)
-        o_batch, o_m, o_n = out_strides((batch, m, n), out_dtype.itemsize)
-        views = (((batch, n, k)[3 - rank:], ka_strides[3 - rank:]), ((batch, k, m)[3 - rank:], kb_strides[3 - rank:]),
-                 ((batch, n, m)[3 - rank:], (o_batch, o_n, o_m)[3 - rank:]))
-        grid = sms // (config.cluster_m * config.cluster_n)
-        if scale_mode is not None:  # FP8 (K-major a and b: so are b^T and a^T); the kernel's A is b
-            spec = scaled_spec(self, b_dtype, dtype, out_dtype, bias_dtype, scale_mode, activation, config, rank)
-            return ScaledGemmLaunch(get_compiled(spec), grid, *views, spec, swap=True)
-        spec = self.spec(DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], a_k_major, not b_n_major,
-                         bias_layout is not None, activation, config, rank)
-        return GemmLaunch(get_compiled(spec), grid, *views, spec, swap=True)
+        return launch_type(get_compiled(spec), sms // (config.cluster_m * config.cluster_n), *views, spec,
+                           swap=config.swap_ab)
 
     def launch(self, a, b, bias, activation, out, alpha: float = 1.0, config: GemmConfig | None = None) -> None:
         """out = act(alpha * a @ b + bias) on the current stream, uncached (tests, benchmarks):

@@ -2,7 +2,8 @@
 
 The op layer passes torch-order operands as they are: a (L, M, K) or (M, K), b (L, K, N) or
 (K, N), out (L, M, N) or (M, N). The kernels work in CuTe's (M, K, L) / (N, K, L) / (M, N, L)
-order; these are layout changes only, no data moves. 2-D operands (the common single GEMM)
+order (with swapped operands, b^T's, a^T's and out^T's); these are layout changes only, no
+data moves. 2-D operands (the common single GEMM)
 get a unit batch mode here, so the host passes them without building 3-D views per call.
 """
 
@@ -22,6 +23,25 @@ def to_kernel_order(mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor):
     return (cute.make_tensor(mA.iterator, cute.select(mA.layout, mode=[1, 2, 0])),
             cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[2, 1, 0])),
             cute.make_tensor(mC.iterator, cute.select(mC.layout, mode=[1, 2, 0])))
+
+
+def _swap_mn(t: cute.Tensor) -> cute.Tensor:
+    """(R, C, L) seen as (C, R, L)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0, 2]))
+
+
+def to_swapped_kernel_order(mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor):
+    """Swapped operands (out^T = b^T @ a^T) from the caller's torch-order a, b, out: the
+    kernel's A is b^T (N, K, L), its B a^T (M, K, L), its out out^T (N, M, L); still no data
+    moves."""
+    mA, mB, mC = to_kernel_order(mA, mB, mC)
+    return mB, mA, _swap_mn(mC)
+
+
+def swapped_scales(mScaleA: cute.Tensor, mScaleB: cute.Tensor):
+    """Rowwise scales of swapped operands, in kernel order: the kernel's rows take b's (1, N)
+    scales seen as (N, 1), its columns a's (M, 1) seen as (1, M)."""
+    return _swap_mn(scales_to_kernel_order(mScaleB)), _swap_mn(scales_to_kernel_order(mScaleA))
 
 
 def fake_operand(dtype, cols_major: bool, rank: int = 3):

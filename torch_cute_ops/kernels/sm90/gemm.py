@@ -37,9 +37,10 @@ the tensor cores' reduced-precision FP8 accumulation never spans more than 128 o
 fragments take turns, so a k-tile is promoted while the next one's batch runs.
 
 Swapped operands (``GemmConfig.swap_ab``, a decode step's rows on the MMA's narrow N) compute
-out^T = b^T @ a^T from views the launch passes: the bias runs along the kernel's rows, the out
-is M-major and stored from registers. Rowwise scales swap with their operands (the kernel's
-``scale_a`` is the caller's ``scale_b`` seen as a column), so the epilogue is the same.
+out^T = b^T @ a^T, the jit host function trading the roles of the caller's tensors (layouts
+only): the bias runs along the kernel's rows, the out is M-major and stored from registers.
+Rowwise scales swap with their operands (the kernel's ``scale_a`` is the caller's ``scale_b``
+seen as a column), so the epilogue is the same.
 
 The tile schedule is :class:`~..common.tile_scheduler.PersistentTileScheduler`
 (banded rasterization for L2 reuse); the tile/cluster come from
@@ -59,7 +60,8 @@ from ...runtime.gemm_config import GemmConfig
 from ...runtime.spec import KernelSpec
 from ...runtime.tma import TMA_ALIGN_BYTES
 from ..common.activation import apply_activation
-from ..common.gemm_operands import fake_operand, fake_scales, scales_to_kernel_order, to_kernel_order
+from ..common.gemm_operands import (fake_operand, fake_scales, scales_to_kernel_order, swapped_scales,
+                                    to_kernel_order, to_swapped_kernel_order)
 from ..common.tile_scheduler import PersistentTileScheduler, StreamKTileScheduler, stream_k_fixup
 
 
@@ -181,11 +183,18 @@ class Sm90Gemm:
                 workspace=(None, None)):
         """``workspace``: stream-K variants' (partial sums, flags), see StreamKTileScheduler;
         the host sizes them with runtime.gemm.stream_k_workspace_size."""
-        mA, mB, mC = to_kernel_order(mA, mB, mC)
         mPartials, mFlags = workspace  # None unless stream-K
+        if cutlass.const_expr(self.swap_ab):
+            mA, mB, mC = to_swapped_kernel_order(mA, mB, mC)
+        else:
+            mA, mB, mC = to_kernel_order(mA, mB, mC)
         if cutlass.const_expr(self.scale_mode is None):
             mScaleA = mScaleB = mC  # never read
-        elif cutlass.const_expr(self.scale_mode != "tensor"):
+        elif cutlass.const_expr(self.scale_mode == "tensor"):
+            pass  # one value each
+        elif cutlass.const_expr(self.swap_ab):
+            mScaleA, mScaleB = swapped_scales(mScaleA, mScaleB)
+        else:
             mScaleA, mScaleB = scales_to_kernel_order(mScaleA), scales_to_kernel_order(mScaleB)
         a_layout = utils.LayoutEnum.ROW_MAJOR if self.a_k_major else utils.LayoutEnum.COL_MAJOR
         b_layout = utils.LayoutEnum.ROW_MAJOR if self.b_k_major else utils.LayoutEnum.COL_MAJOR
@@ -743,12 +752,17 @@ def build(spec: KernelSpec):
     gemm = Sm90Gemm(ab_dtype, out_dtype, spec["a_major"] == "k", spec["b_major"] == "k", spec["bias"],
                     activation, GemmConfig.from_spec_params(spec), b_dtype, bias_dtype, scale_mode,
                     spec.get("odd_n", False))
-    # torch-order tensors (a (L, M, K), b (L, K, N), out (L, M, N)); the jit function
-    # permutes their layouts, so the host passes torch tensors as they are
+    # the caller's torch-order tensors (a (L, M, K), b (L, K, N), out (L, M, N)); the jit function
+    # permutes their layouts, so the host passes them as they are. Swapped operands: the kernel's
+    # A (dtype ab, majorness a_major) is b^T, its B (dtype b, majorness b_major) a^T
     rank = spec["rank"]
-    mA = fake_operand(ab_dtype, gemm.a_k_major, rank)
-    mB = fake_operand(b_dtype, not gemm.b_k_major, rank)
-    mC = fake_operand(out_dtype, not gemm.swap_ab, rank)  # swapped: out^T, M-major
+    if gemm.swap_ab:
+        mA = fake_operand(b_dtype, gemm.b_k_major, rank)
+        mB = fake_operand(ab_dtype, not gemm.a_k_major, rank)
+    else:
+        mA = fake_operand(ab_dtype, gemm.a_k_major, rank)
+        mB = fake_operand(b_dtype, not gemm.b_k_major, rank)
+    mC = fake_operand(out_dtype, True, rank)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     # stream-K: the workspace (partial sums, flags) trails the arguments
     workspace = ()
