@@ -1,10 +1,13 @@
-"""A static persistent tile scheduler with grouped rasterization, for any CuTe kernel.
+"""Persistent tile schedulers with grouped rasterization, for any CuTe kernel: the GEMMs'
+(data-parallel, and stream-K over the last waves) and attention's.
 
 The output of a batched GEMM is cut into ``tile_m x tile_n`` tiles, the tiles into
 clusters of ``cluster_m x cluster_n`` tiles, and the clusters of all batches into a
 1-D list of *work units*. A persistent launch starts ``min(units, max_clusters)``
 clusters; the cluster with index ``c`` (``block_idx.z``) handles units ``c``,
 ``c + G``, ``c + 2G``... where ``G = grid_dim.z``. No atomics and no workspace.
+:class:`StreamKTileScheduler` keeps that order for all but the last waves, whose k-tiles it
+spreads over every cluster (partial sums through a workspace, :func:`stream_k_fixup`).
 
 Grouped ("banded") rasterization keeps the tiles that run at the same time close
 together, so that their A rows and B columns are still in L2 when the neighbours

@@ -43,8 +43,11 @@ Rowwise scales swap with their operands (the kernel's ``scale_a`` is the caller'
 seen as a column), so the epilogue is the same.
 
 The tile schedule is :class:`~..common.tile_scheduler.PersistentTileScheduler`
-(banded rasterization for L2 reuse); the tile/cluster come from
-:func:`torch_cute_ops.runtime.gemm_config.choose_config`.
+(banded rasterization for L2 reuse), or for stream-K variants (``GemmConfig.stream_k``, many
+waves with a partial last one) :class:`~..common.tile_scheduler.StreamKTileScheduler`: the
+producer and the consumers walk the same segments (a unit's k-range), and a segment that does
+not finish its tile hands its partial sums to the one that does instead of running the
+epilogue. The tile/cluster come from :func:`torch_cute_ops.runtime.gemm_config.choose_config`.
 """
 
 
