@@ -178,7 +178,8 @@ def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int, fp8: bool
 # widths 0 to +3%, 4096 x 12288 / 14336 x 4096 (11-13 waves) even; at 4 waves or fewer it lost up
 # to 11% (4096 x 4096 x 14336, 512 x 14336 x 4096): the clusters' k-ranges start at unrelated
 # k-tiles, so the tiles of a wave no longer share their A rows and B columns through L2, and the
-# stream-K phase is most of the run there.
+# stream-K phase is most of the run there. FP8 (half the time per k-tile for the same bytes) was
+# even at 8192^3 and 3-10% slower at the other grid shapes: it stays data-parallel.
 SM90_STREAM_K_MIN_WAVES = 8
 
 
