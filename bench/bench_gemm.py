@@ -108,7 +108,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="anchor shapes only")
     parser.add_argument("--shapes", default="", help="MxNxK,... instead of the grid (e.g. 128x4096x4096)")
     parser.add_argument("--configs", default="", help="extra configs to time per shape, e.g. "
-                        "'128x256c2x1,pp128x128c2x1,sw64x16c1x1' (pp = ping-pong, sw = swapped operands)")
+                        "'128x256c2x1,pp128x128c2x1,sw64x16c1x1,128x256c2x1sk' (pp = ping-pong, sw = swapped "
+                        "operands, sk = stream-K)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-fused", action="store_true", help="skip the fused-epilogue table")
     parser.add_argument("--chain", action="store_true", help="also chains of back-to-back GEMMs (eager, graph)")

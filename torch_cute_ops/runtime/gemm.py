@@ -166,13 +166,14 @@ class GemmLaunch:
         self.a_view, self.b_view, self.out_view = a_view, b_view, out_view
         self.workspace_size = stream_k_workspace_size(spec, grid)
 
-    def workspace(self, device) -> tuple:
-        """The trailing (partial sums, flags) arguments: a stream-K variant's workspace, Nones for
-        the others (every variant's exported function takes both; the jit host function ignores
-        them unless it is stream-K)."""
+    def workspace(self, out) -> tuple:
+        """The trailing (partial sums, flags) arguments: a stream-K variant's workspace on
+        ``out``'s device, Nones for the others (every variant's exported function takes both; the
+        jit host function ignores them unless it is stream-K)."""
         if self.workspace_size is None:
             return _NO_WORKSPACE
         partials, flags = self.workspace_size
+        device = out.device
         return scratch(device, partials, torch.float32, "gemm stream-K"), zeroed_int32(device, flags, "gemm stream-K")
 
     def views(self, a, b, out):
@@ -188,9 +189,9 @@ class GemmLaunch:
     def __call__(self, a, b, bias, out, alpha: float) -> None:
         a, b, out = self.views(a, b, out)
         if bias is None:
-            self.fn(a, b, out, alpha, self.grid, *self.workspace(out.device))
+            self.fn(a, b, out, alpha, self.grid, *self.workspace(out))
         else:
-            self.fn(a, b, bias, out, alpha, self.grid, *self.workspace(out.device))
+            self.fn(a, b, bias, out, alpha, self.grid, *self.workspace(out))
 
 
 class ScaledGemmLaunch(GemmLaunch):
@@ -207,9 +208,9 @@ class ScaledGemmLaunch(GemmLaunch):
         if self.scalar_scales:
             scale_a, scale_b = scale_a.reshape(1), scale_b.reshape(1)
         if bias is None:
-            self.fn(a, b, scale_a, scale_b, out, self.grid, *self.workspace(out.device))
+            self.fn(a, b, scale_a, scale_b, out, self.grid, *self.workspace(out))
         else:
-            self.fn(a, b, scale_a, scale_b, bias, out, self.grid, *self.workspace(out.device))
+            self.fn(a, b, scale_a, scale_b, bias, out, self.grid, *self.workspace(out))
 
 
 class GemmHost:

@@ -35,7 +35,7 @@ Hopper (sm_90a) rules, for 16-bit inputs on a 132-SM H100/H200:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 # SMs of the usual parts; kernels take the real count of the device at launch
@@ -187,7 +187,7 @@ def _with_stream_k(config: GemmConfig, m: int, n: int, batch: int, sm_count: int
     clusters = max(sm_count // (config.cluster_m * config.cluster_n), 1)
     units = (-(-m // (config.tile_m * config.cluster_m)) * -(-n // (config.tile_n * config.cluster_n))) * batch
     if units // clusters >= SM90_STREAM_K_MIN_WAVES and units % clusters:
-        return GemmConfig(config.tile_m, config.tile_n, config.cluster_m, config.cluster_n, stream_k=True)
+        return replace(config, stream_k=True)
     return config
 
 

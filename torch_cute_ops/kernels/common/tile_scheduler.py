@@ -263,7 +263,6 @@ class StreamKTileScheduler(PersistentTileScheduler):
         return StreamKWork(*self.tile_coord(unit), k_begin, k_end, first_cluster, cluster)
 
 
-
 @cute.jit
 def stream_k_fixup(acc: cute.Tensor, work: StreamKWork, k_tiles: Int32, cluster_shape_mn, workspace, barrier,
                    tidx: Int32, num_threads: int):
@@ -307,6 +306,7 @@ def stream_k_fixup(acc: cute.Tensor, work: StreamKWork, k_tiles: Int32, cluster_
         if tidx == 0:
             cute.arch.store(mFlags.iterator + slot, Int32(1), sem="release", scope="gpu")
     return finishes
+
 
 # ---------------------------------------------------------------------------
 # attention: (query block, head, batch) tiles, static or dynamic

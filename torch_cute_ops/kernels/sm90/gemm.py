@@ -193,12 +193,9 @@ class Sm90Gemm:
             mA, mB, mC = to_kernel_order(mA, mB, mC)
         if cutlass.const_expr(self.scale_mode is None):
             mScaleA = mScaleB = mC  # never read
-        elif cutlass.const_expr(self.scale_mode == "tensor"):
-            pass  # one value each
-        elif cutlass.const_expr(self.swap_ab):
-            mScaleA, mScaleB = swapped_scales(mScaleA, mScaleB)
-        else:
-            mScaleA, mScaleB = scales_to_kernel_order(mScaleA), scales_to_kernel_order(mScaleB)
+        elif cutlass.const_expr(self.scale_mode != "tensor"):  # per-tensor: one value each
+            mScaleA, mScaleB = (swapped_scales(mScaleA, mScaleB) if self.swap_ab
+                                else (scales_to_kernel_order(mScaleA), scales_to_kernel_order(mScaleB)))
         a_layout = utils.LayoutEnum.ROW_MAJOR if self.a_k_major else utils.LayoutEnum.COL_MAJOR
         b_layout = utils.LayoutEnum.ROW_MAJOR if self.b_k_major else utils.LayoutEnum.COL_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
