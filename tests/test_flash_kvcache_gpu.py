@@ -223,18 +223,18 @@ def test_captured_steps_take_their_own_zeroed_counters():
     """Two captured decode steps replayed in turns: each captured launch's tile counter is its own
     slot of the slab an eager call zeroed (no memset node in the graph), and every replay finds it
     at zero again; a counter left non-zero would skip tiles (stale outputs, caught below)."""
-    from torch_cute_ops.runtime import attention as rt
+    from torch_cute_ops.runtime import scratch
 
     gen = torch.Generator(device="cuda").manual_seed(9)
     steps = [_decode_step(2, 1, 2048, None, gen), _decode_step(3, 4, 1024, 256, gen)]
     for step in steps:
         step[-1]()  # eager warm-up: compiles, and zeroes the slab the captures take counters from
     torch.cuda.synchronize()
-    used = rt._capture_slabs[torch.cuda.current_device()][1]
+    used = scratch._capture_slabs[torch.cuda.current_device()][1]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graphs = [_capture(step[-1], stream) for step in steps]
-    assert rt._capture_slabs[torch.cuda.current_device()][1] == used + 2, "one slab slot per captured launch"
+    assert scratch._capture_slabs[torch.cuda.current_device()][1] == used + 2, "one slab slot per captured launch"
     _replay_in_turns(steps, graphs, gen)
 
 
@@ -315,13 +315,12 @@ def test_reduce_overhead_compile_of_a_decode_step_and_a_masked_call(monkeypatch)
     outside it. A batch size, a stream and a mask the process has not seen make them during the
     warm-up here; warm-up, recording and replays are checked against the reference."""
     from torch_cute_ops.ops import attention_kvcache as kvc
-    from torch_cute_ops.runtime import attention as rt
-    from torch_cute_ops.runtime import attention_mask
+    from torch_cute_ops.runtime import attention_mask, scratch
 
     kvc._zero_starts.cache_clear()
     from torch_cute_ops.runtime.lasting import PerTensor
 
-    monkeypatch.setattr(rt, "_tile_counters", {})
+    monkeypatch.setattr(scratch, "_zeroed", {})  # the tile counters
     monkeypatch.setattr(attention_mask, "_summaries", PerTensor())
     gen = torch.Generator(device="cuda").manual_seed(17)
     q, cache, lengths, _ = _decode_step(6, 1, 1024, None, gen)
