@@ -151,8 +151,13 @@ def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int, fp8: bool
     if m <= SM90_SWAP_MAX_M:
         return GemmConfig(128, 16 if m <= 16 else 32, swap_ab=True)
     if m <= 64:
-        tile_n = 128 if num_tiles(m, n, batch, 64, 128) >= sm_count else 64
-        return GemmConfig(64, tile_n)
+        # 16-bit: one wave of 64 x 128 tiles beats two of 64 x 64 once it fills four fifths of the
+        # SMs (H100, two runs: 64 x 14336 x 4096, 112 tiles, 140-141 vs 133-135 TFLOP/s; 64 x 12288
+        # x 4096, 96 tiles, level at 129-130; 64 x 4096 x 4096, 32 tiles, 84-86 vs 96). FP8 keeps
+        # 64 x 64 below a full wave (not measured there).
+        tiles = num_tiles(m, n, batch, 64, 128)
+        wide = tiles >= sm_count or (not fp8 and 5 * tiles >= 4 * sm_count)
+        return GemmConfig(64, 128 if wide else 64)
     cluster_m = 2 if m > 128 else 1
     if fp8:  # FP8 keeps its two tiles (blockwise scales allow at most 128 columns)
         tile_n = 256 if 4 * num_tiles(m, n, batch, 128, 256) >= 3 * sm_count else 128
