@@ -98,7 +98,9 @@ class Sm90Gemm:
                  activation, config: GemmConfig, b_dtype=None, bias_dtype=None, scale_mode=None,
                  odd_n: bool = False):
         narrow_n = (16, 32) if config.swap_ab else ()  # a decode step's few rows as the MMA's N
-        if config.tile_m not in (64, 128) or config.tile_n not in (*narrow_n, 64, 128, 192, 256):
+        # 96 and 112 columns: widths that divide N into about one wave of tiles (12288 / 96 and
+        # 14336 / 112 make 128 tiles on 132 SMs)
+        if config.tile_m not in (64, 128) or config.tile_n not in (*narrow_n, 64, 96, 112, 128, 192, 256):
             raise ValueError(f"unsupported sm90 tile {config.tile_mn}")
         if config.stream_k and config.pingpong:
             raise ValueError(f"stream-K runs cooperative tiles, got {config}")
@@ -108,7 +110,7 @@ class Sm90Gemm:
             raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
         if ab_dtype.width == 8 and not (a_k_major and b_k_major and scale_mode):
             raise ValueError("FP8 operands need scales and K-major A and B (FP8 WGMMA reads K-major smem only)")
-        if scale_mode == "block" and (config.tile_n > SCALE_BLOCK or config.pingpong):
+        if scale_mode == "block" and (SCALE_BLOCK % config.tile_n or config.pingpong):
             # the per-k-tile fragment doubles the accumulator registers; one B scale per tile
             raise ValueError(f"blockwise scales need a cooperative tile of at most 128 columns, got {config}")
         self.ab_dtype = ab_dtype  # A's dtype (B's too unless b_dtype says otherwise)
@@ -141,7 +143,7 @@ class Sm90Gemm:
         # a ring of swizzled smem subtiles (stmatrix) and TMA stores, except for swapped
         # operands, whose out^T is M-major and a few columns wide
         self.direct_store = out_dtype.width == 32 or self.swap_ab
-        self.epi_tile = (64 * self.tile_wgs, 32)
+        self.epi_tile = (64 * self.tile_wgs, 32 if config.tile_n % 32 == 0 else 16)
         # ping-pong keeps a ring per warpgroup: three subtiles each leave room for a fifth A/B
         # stage at 128 x 192 (QuACK's default tile and depth)
         self.epi_stages = 3 if config.pingpong else 4
