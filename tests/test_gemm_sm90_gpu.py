@@ -145,6 +145,21 @@ def test_configs(config, out_dtype):
     run_case(1000, 1000, 1000, batch=3, bias=True, activation="gelu_tanh", out_dtype=out_dtype, config=config)
 
 
+@pytest.mark.parametrize("tile_m", [64, 128])
+@pytest.mark.parametrize("b_n_major", [True, False], ids=["x@W", "x@W.T"])
+def test_96_column_tiles(tile_m, b_n_major):
+    """96-column tiles (one row of them is a wave at N = 12288): N tails of 40 and 8 columns, B
+    of either majorness (N-major, a tile row is one and a half 128-byte swizzle rows), bias and
+    gelu_tanh, a batch with fp32 out, and 2 x 1 clusters."""
+    from torch_cute_ops.runtime.gemm_config import GemmConfig
+
+    config = GemmConfig(tile_m, 96)
+    for m, n, k in ((tile_m, 12288, 512), (100, 1000, 264), (33, 1064, 200)):
+        run_case(m, n, k, b_n_major=b_n_major, bias=True, activation="gelu_tanh", config=config)
+    run_case(1000, 1000, 1000, batch=3, b_n_major=b_n_major, out_dtype=torch.float32, config=config)
+    run_case(300, 1000, 1000, b_n_major=b_n_major, bias=True, config=GemmConfig(tile_m, 96, 2, 1))
+
+
 @pytest.mark.parametrize("m,n,k,batch,b_n_major,bias,activation,out_dtype,tile_n", [
     (1, 4096, 4095, 1, True, False, None, torch.bfloat16, 16),
     (1, 1000, 1000, 1, False, True, None, torch.bfloat16, 16),

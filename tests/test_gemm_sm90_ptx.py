@@ -220,6 +220,14 @@ def test_config_heuristic():
     assert choose_config("sm_90a", 1024, 12288, 4096).tile_mn == (128, 256)
     assert not choose_config("sm_90a", 1024, 12288, 4096).pingpong
     assert choose_config("sm_90a", 128, 4096, 4096, fp8=True).tile_mn == (128, 128)
+    # one row of tiles: the width whose tiles fill about one wave (12288 / 96 = 128 tiles,
+    # 14336 / 128 = 112); 16-bit only, and never 96 columns over two rows of tiles or more
+    for m, n, tile in ((128, 12288, (128, 96)), (96, 11008, (128, 96)), (64, 12288, (64, 96)),
+                       (48, 11008, (64, 96)), (64, 14336, (64, 128)), (33, 14336, (64, 128)),
+                       (128, 14336, (128, 128)), (256, 6144, (128, 128)), (384, 4096, (128, 128))):
+        assert _mn(choose_config("sm_90a", m, n, 4096)) == (tile, (1 if m <= 128 else 2, 1)), (m, n)
+    assert choose_config("sm_90a", 64, 12288, 4096, fp8=True).tile_mn == (64, 64)
+    assert choose_config("sm_90a", 128, 12288, 4096, fp8=True).tile_mn == (128, 128)
     # short K over many tiles: 128 x 192 ping-pong (16-bit); FP8 and K = 4096 stay cooperative
     small_k = choose_config("sm_90a", 8192, 8192, 1024)
     assert (small_k.tile_mn, small_k.cluster_mn, small_k.pingpong) == ((128, 192), (2, 1), True)

@@ -352,7 +352,7 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
     wide_pingpong = GemmConfig(128, 192, 2, 1, pingpong=True)
     one_row_of_tiles, m64 = GemmConfig(128, 128), GemmConfig(64, 64)  # M <= 128, M <= 64
     few_rows = (medium, one_row_of_tiles, GemmConfig(64, 64, 2, 1), GemmConfig(128, 64, 2, 1), wide_pingpong,
-                m64, GemmConfig(64, 128))
+                m64, GemmConfig(64, 128), GemmConfig(128, 96), GemmConfig(64, 96))
     # a decode step (M <= 32): swapped operands, so the kernel's A is the weight: M-major for
     # x @ W, K-major for nn.Linear's x @ W.T (whose bias rides along too); its B is x, K-major
     decode = (GemmConfig(128, 16, swap_ab=True), GemmConfig(128, 32, swap_ab=True))

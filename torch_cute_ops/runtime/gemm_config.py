@@ -15,10 +15,11 @@ Hopper (sm_90a) rules, for 16-bit inputs on a 132-SM H100/H200:
 * ``M <= 32``: swapped operands on ``128 x 16`` / ``128 x 32`` tiles (out^T = b^T @ a^T), the
   way cuBLAS runs a decode step: every stage carries 16 KB of the weight (16-bit; 128 x 128
   FP8 values) instead of a 64-row A tile that is mostly padding.
-* ``M <= 64``: one consumer warpgroup, ``64 x 128`` tiles (``64 x 64`` when that
-  still leaves SMs idle); these shapes are bound by reading B, so more CTAs win.
+* ``M <= 64``: one consumer warpgroup, ``64 x 128`` tiles when they fill four fifths of a
+  wave, else (16-bit) ``64 x 96`` when those do, else ``64 x 64``; these shapes are bound by
+  reading B, so the tile count that fills one wave wins.
 * otherwise 128-row tiles with two consumer warpgroups (each owns 64 rows), ``tile_n``
-  one of 256, 192, 128, 64: the widest unless a narrower one fills the last wave enough
+  one of 256, 192, 128, 96 (one row of tiles only), 64: the widest unless a narrower one fills the last wave enough
   better to pay for its lower throughput per tile (:data:`SM90_TILE_N_EFFICIENCY`). Few-row
   problems at LLM widths (M = 128..512) are where this matters: 128 x 64 tiles put twice
   the CTAs of 128 x 128 on reading B, and 128 x 192 makes 128 tiles (one wave) of
@@ -125,10 +126,11 @@ SM90_PINGPONG_MAX_K = 1024
 # narrower the tile, the more A and B bytes it loads per MMA. Fitted to bench_gemm.py config
 # columns at M = 128..1024 (bench/NOTES.md, session 19): at equal wave fill 128 x 192 ran at
 # 0.92-0.98 of 128 x 256; 128 x 64 wins only where the wider tiles leave half the SMs or more
-# idle (M = 128 and 256 at N = 4096).
+# idle (M = 128 and 256 at N = 4096). 128 x 96 fitted to one point (session 23): 128 x 12288 x
+# 4096, 128 tiles of 96 (fill 0.97) at 263-265 TFLOP/s against 96 of 128 (fill 0.73) at 252.
 # 128 x 192 runs ping-pong (0.93 cooperative): at 256 x 12288, 512 x 12288 and 1024 x 14336 (K
 # = 4096) ping-pong was 2-4% faster than cooperative at the same tile (session 20).
-SM90_TILE_N_EFFICIENCY = {256: 1.0, 192: 0.96, 128: 0.85, 64: 0.6}
+SM90_TILE_N_EFFICIENCY = {256: 1.0, 192: 0.96, 128: 0.85, 96: 0.66, 64: 0.6}
 
 
 def wave_fill(tiles: int, sm_count: int) -> float:
@@ -152,20 +154,26 @@ def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int, fp8: bool
         return GemmConfig(128, 16 if m <= 16 else 32, swap_ab=True)
     if m <= 64:
         # 16-bit: one wave of 64 x 128 tiles beats two of 64 x 64 once it fills four fifths of the
-        # SMs (H100, two runs: 64 x 14336 x 4096, 112 tiles, 140-141 vs 133-135 TFLOP/s; 64 x 12288
-        # x 4096, 96 tiles, level at 129-130; 64 x 4096 x 4096, 32 tiles, 84-86 vs 96). FP8 keeps
-        # 64 x 64 below a full wave (not measured there).
+        # SMs, and so does one of 64 x 96 tiles (H100, TFLOP/s: 64 x 14336 x 4096, 112 tiles of
+        # 128, 140-142 vs 133-135; 64 x 12288 x 4096, 128 tiles of 96, 135 vs 129-131; 64 x 11008 x
+        # 4096, 115 of 96, 126 vs 118; 64 x 4096 x 4096 keeps 64 x 64: 96-97 vs 84-87 for 64 x 128).
+        # FP8 keeps 64 x 64 below a full wave of 64 x 128 (not measured there).
         tiles = num_tiles(m, n, batch, 64, 128)
-        wide = tiles >= sm_count or (not fp8 and 5 * tiles >= 4 * sm_count)
-        return GemmConfig(64, 128 if wide else 64)
+        if tiles >= sm_count or (not fp8 and 5 * tiles >= 4 * sm_count):
+            return GemmConfig(64, 128)
+        tiles = num_tiles(m, n, batch, 64, 96)
+        return GemmConfig(64, 96 if not fp8 and 4 * sm_count <= 5 * tiles <= 5 * sm_count else 64)
     cluster_m = 2 if m > 128 else 1
     if fp8:  # FP8 keeps its two tiles (blockwise scales allow at most 128 columns)
         tile_n = 256 if 4 * num_tiles(m, n, batch, 128, 256) >= 3 * sm_count else 128
         return GemmConfig(128, tile_n, cluster_m)
     if k <= SM90_PINGPONG_MAX_K and num_tiles(m, n, batch, 128, 192) >= 16 * sm_count:
         return GemmConfig(128, 192, cluster_m, pingpong=True)
-    # the first of the widest on a tie
-    tile_n = max(SM90_TILE_N_EFFICIENCY, key=lambda tile_n: SM90_TILE_N_EFFICIENCY[tile_n]
+    # the first of the widest on a tie; 96 columns for one row of tiles only (128 x 12288 x 4096:
+    # 128 x 96 263-265 vs 128 x 128 252 TFLOP/s; with two rows and more, 2 x 1 clusters of 128 x 96
+    # lost 2-45% to 128 x 128 at 256 x 6144, 384 x 4096, 512 x 3072 and 768 x 2048)
+    widths = [tile_n for tile_n in SM90_TILE_N_EFFICIENCY if tile_n != 96 or m <= 128]
+    tile_n = max(widths, key=lambda tile_n: SM90_TILE_N_EFFICIENCY[tile_n]
                  * wave_fill(num_tiles(m, n, batch, 128, tile_n), sm_count))
     if tile_n == 64 and m <= 128:
         # one row of 128 x 64 tiles: 64-row tiles in 2 x 1 clusters give twice the CTAs, each

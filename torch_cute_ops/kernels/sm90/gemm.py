@@ -98,9 +98,8 @@ class Sm90Gemm:
                  activation, config: GemmConfig, b_dtype=None, bias_dtype=None, scale_mode=None,
                  odd_n: bool = False):
         narrow_n = (16, 32) if config.swap_ab else ()  # a decode step's few rows as the MMA's N
-        # 96 and 112 columns: widths that divide N into about one wave of tiles (12288 / 96 and
-        # 14336 / 112 make 128 tiles on 132 SMs)
-        if config.tile_m not in (64, 128) or config.tile_n not in (*narrow_n, 64, 96, 112, 128, 192, 256):
+        # 96 columns: N = 12288 in 128 tiles, about one wave on 132 SMs (runtime.gemm_config)
+        if config.tile_m not in (64, 128) or config.tile_n not in (*narrow_n, 64, 96, 128, 192, 256):
             raise ValueError(f"unsupported sm90 tile {config.tile_mn}")
         if config.stream_k and config.pingpong:
             raise ValueError(f"stream-K runs cooperative tiles, got {config}")
@@ -143,7 +142,7 @@ class Sm90Gemm:
         # a ring of swizzled smem subtiles (stmatrix) and TMA stores, except for swapped
         # operands, whose out^T is M-major and a few columns wide
         self.direct_store = out_dtype.width == 32 or self.swap_ab
-        self.epi_tile = (64 * self.tile_wgs, 32 if config.tile_n % 32 == 0 else 16)
+        self.epi_tile = (64 * self.tile_wgs, 32)
         # ping-pong keeps a ring per warpgroup: three subtiles each leave room for a fifth A/B
         # stage at 128 x 192 (QuACK's default tile and depth)
         self.epi_stages = 3 if config.pingpong else 4
