@@ -16,14 +16,15 @@ Hopper (sm_90a) rules, for 16-bit inputs on a 132-SM H100/H200:
   way cuBLAS runs a decode step: every stage carries 16 KB of the weight (16-bit; 128 x 128
   FP8 values) instead of a 64-row A tile that is mostly padding.
 * ``M <= 64``: one consumer warpgroup, ``64 x 128`` tiles when they fill four fifths of a
-  wave, else (16-bit) ``64 x 96`` when those do, else ``64 x 64``; these shapes are bound by
-  reading B, so the tile count that fills one wave wins.
+  wave (FP8: a whole one), else (16-bit) ``64 x 96`` when those do, else ``64 x 64``; these
+  shapes are bound by reading B, so the tile count that fills one wave wins.
 * otherwise 128-row tiles with two consumer warpgroups (each owns 64 rows), ``tile_n``
-  one of 256, 192, 128, 96 (one row of tiles only), 64: the widest unless a narrower one fills the last wave enough
-  better to pay for its lower throughput per tile (:data:`SM90_TILE_N_EFFICIENCY`). Few-row
-  problems at LLM widths (M = 128..512) are where this matters: 128 x 64 tiles put twice
-  the CTAs of 128 x 128 on reading B, and 128 x 192 makes 128 tiles (one wave) of
-  256 x 12288, where 128 x 256 makes 96 and 128 x 128 makes 192.
+  one of 256, 192, 128, 96 (one row of tiles only), 64: the widest unless a narrower one
+  fills the last wave enough better to pay for its lower throughput per tile
+  (:data:`SM90_TILE_N_EFFICIENCY`). Few-row problems at LLM widths (M = 128..512) are where
+  this matters: 128 x 64 tiles put twice the CTAs of 128 x 128 on reading B, 128 x 192 makes
+  128 tiles (one wave) of 256 x 12288, where 128 x 256 makes 96 and 128 x 128 makes 192, and
+  128 x 96 makes 128 of 128 x 12288.
 * FP8 keeps ``128 x 256`` when those fill 3/4 of a wave, else ``128 x 128``.
 * K <= 1024 with at least sixteen waves of ``128 x 192`` tiles (16-bit only): those tiles
   in ping-pong, whose epilogue overlaps the other warpgroup's short main loop.
@@ -171,7 +172,7 @@ def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int, fp8: bool
         return GemmConfig(128, 192, cluster_m, pingpong=True)
     # the first of the widest on a tie; 96 columns for one row of tiles only (128 x 12288 x 4096:
     # 128 x 96 263-265 vs 128 x 128 252 TFLOP/s; with two rows and more, 2 x 1 clusters of 128 x 96
-    # lost 2-45% to 128 x 128 at 256 x 6144, 384 x 4096, 512 x 3072 and 768 x 2048)
+    # lost 2-37% to 128 x 128 at 256 x 6144, 384 x 4096, 512 x 3072 and 768 x 2048)
     widths = [tile_n for tile_n in SM90_TILE_N_EFFICIENCY if tile_n != 96 or m <= 128]
     tile_n = max(widths, key=lambda tile_n: SM90_TILE_N_EFFICIENCY[tile_n]
                  * wave_fill(num_tiles(m, n, batch, 128, tile_n), sm_count))

@@ -111,7 +111,7 @@ class Sm90Gemm:
             raise ValueError("FP8 operands need scales and K-major A and B (FP8 WGMMA reads K-major smem only)")
         if scale_mode == "block" and (SCALE_BLOCK % config.tile_n or config.pingpong):
             # the per-k-tile fragment doubles the accumulator registers; one B scale per tile
-            raise ValueError(f"blockwise scales need a cooperative tile of at most 128 columns, got {config}")
+            raise ValueError(f"blockwise scales need a cooperative tile of 64 or 128 columns, got {config}")
         self.ab_dtype = ab_dtype  # A's dtype (B's too unless b_dtype says otherwise)
         self.b_dtype = b_dtype or ab_dtype
         self.bias_dtype = bias_dtype or ab_dtype
