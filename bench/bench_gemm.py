@@ -37,6 +37,9 @@ LLM_SHAPES = [(m, n, k) for m in (1024, 4096, 16384) for n, k in LLM_NK]
 SMALL_M_SHAPES = [(m, n, k) for m in (128, 256, 512) for n, k in LLM_NK]
 # decode-sized M (a serving batch's tokens): B is all the bytes; #16 asks for a measurement, not a bar
 DECODE_M_SHAPES = [(m, n, k) for m in (1, 16, 32, 64) for n, k in LLM_NK]
+# just over one wave of 128-row tiles, odd numbers of tile rows (a prefill chunk's tokens): not in
+# the bar set; 0.67-0.89x cuBLAS when first measured (bench/NOTES.md, session 23)
+TWO_WAVE_SHAPES = [(m, n, k) for m in (384, 640, 1152) for n, k in LLM_NK]
 CHAIN_ROWS, CHAIN_WIDTH, CHAIN_DEPTH = (1, 16, 64, 128, 256), 4096, 8
 FUSED_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 14336, 4096), (16384, 4096, 4096)]
 
@@ -155,7 +158,7 @@ def main():
     results["first_call_s"] = time.perf_counter() - start
 
     shapes = ANCHOR_SHAPES if args.quick else list(dict.fromkeys(ANCHOR_SHAPES + LLM_SHAPES + SMALL_M_SHAPES
-                                                                 + DECODE_M_SHAPES))
+                                                                 + DECODE_M_SHAPES + TWO_WAVE_SHAPES))
     if args.shapes:
         shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     print(f"{dev}, {sm_count} SMs\n{'M x N x K':>22} {'config':>16} {'tco':>6} {'cuBLAS':>6} {'QuACK':>6} "
@@ -213,10 +216,14 @@ def main():
         results["chain_us_per_gemm"] = chain_table(tco.gemm, args.rounds)
 
     results["host_overhead_us"] = host_overhead()
-    # #16's bar is over the 15 grid shapes plus the few-row ones; decode-sized M is reported apart
-    decode = set(DECODE_M_SHAPES) - set(ANCHOR_SHAPES + LLM_SHAPES + SMALL_M_SHAPES)
-    groups = {"bar set": [r for r in results["gemm"] if tuple(r["shape"]) not in decode],
-              "decode M": [r for r in results["gemm"] if tuple(r["shape"]) in decode]}
+    # #16's bar is over the 15 grid shapes plus the few-row ones; the other groups are reported
+    # apart, and shapes given with --shapes outside every group as "other"
+    bar_set = set(ANCHOR_SHAPES + LLM_SHAPES + SMALL_M_SHAPES)
+    group_of = {**{shape: "other" for shape in map(tuple, (r["shape"] for r in results["gemm"]))},
+                **{shape: "two waves" for shape in TWO_WAVE_SHAPES}, **{shape: "decode M" for shape in DECODE_M_SHAPES},
+                **{shape: "bar set" for shape in bar_set}}
+    groups = {group: [r for r in results["gemm"] if group_of[tuple(r["shape"])] == group]
+              for group in ("bar set", "decode M", "two waves", "other")}
     summary = []
     for group, rows in groups.items():
         if not rows:
