@@ -324,11 +324,12 @@ def scaled_spec(host: GemmHost, a_dtype, b_dtype, out_dtype, bias_dtype, scale_m
 
 
 def block_scaled_config(config: GemmConfig) -> GemmConfig:
-    """Blockwise scales keep a second accumulator per k-tile: at most 128 columns, cooperative.
-    They have no swapped variant: a decode step's rows take 64 x 64 tiles instead."""
+    """Blockwise scales keep a second accumulator per k-tile and one B scale per tile: 64 or 128
+    columns (a tile inside one 128-column scale block), cooperative. They have no swapped
+    variant: a decode step's rows take 64 x 64 tiles instead."""
     if config.swap_ab:
         return GemmConfig(64, 64)
-    if config.tile_n <= 128 and not config.pingpong:
+    if 128 % config.tile_n == 0 and not config.pingpong:
         return config
     return dataclasses.replace(config, tile_n=128, pingpong=False)
 
