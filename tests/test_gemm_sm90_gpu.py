@@ -131,7 +131,7 @@ def test_fp32_out(dtype):
 CONFIGS = [(128, 256, 2, 1, False), (128, 128, 1, 1, False), (128, 128, 1, 2, False), (64, 128, 1, 1, False),
            (64, 64, 1, 1, False), (128, 128, 2, 1, True), (128, 192, 1, 1, True), (128, 192, 2, 1, True),
            (64, 256, 1, 2, True), (128, 64, 1, 1, False), (128, 64, 2, 1, False), (128, 192, 2, 1, False),
-           (64, 64, 2, 1, False)]
+           (64, 64, 2, 1, False), (192, 128, 1, 1, False), (192, 192, 2, 1, False), (192, 64, 1, 2, False)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "{}x{}_c{}x{}_pp{:d}".format(*c))
@@ -206,6 +206,7 @@ STREAM_K_CASES = [
     (1000, 1000, 1000, 1, (128, 128, 1, 2), False, torch.bfloat16),
     (64, 4096, 4096, 1, (64, 64, 1, 1), True, torch.bfloat16),
     (520, 776, 392, 2, (64, 128, 2, 1), False, torch.float32),
+    (1152, 4096, 1000, 1, (192, 192, 2, 1), True, torch.bfloat16),
 ]
 
 

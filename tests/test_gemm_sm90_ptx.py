@@ -53,6 +53,26 @@ def test_fp32_out_m_major_ptx(tmp_path):
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
 
 
+def test_192_row_tiles_ptx(tmp_path):
+    """192-row tiles: three consumer warpgroups at 152 registers each (with the producer's 40,
+    the register file of a 512-thread CTA), bias + gelu_tanh at 192 columns without spilling;
+    wider tiles, ping-pong and blockwise scales at 192 rows are refused."""
+    import cutlass
+
+    from torch_cute_ops.kernels.sm90.gemm import Sm90Gemm
+
+    spec = sm90_gemm.spec("bf16", "bf16", True, True, True, "gelu_tanh", GemmConfig(192, 192, 2, 1))
+    compile_spec(spec, dump_dir=tmp_path)
+    ptx = _ptx(tmp_path)
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+152;", ptx)
+    assert "wgmma.mma_async.sync.aligned.m64n192k16" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
+    bf16 = cutlass.BFloat16
+    for config in (GemmConfig(192, 256), GemmConfig(192, 128, pingpong=True)):
+        with pytest.raises(ValueError, match="unsupported sm90 tile"):
+            Sm90Gemm(bf16, bf16, True, True, False, None, config)
+
+
 def test_pingpong_ptx(tmp_path):
     """Ping-pong: two 128x128 warpgroup tiles, turn-taking named barriers between them."""
     spec = sm90_gemm.spec("bf16", "bf16", True, False, False, None, GemmConfig(128, 128, 2, 1, pingpong=True))

@@ -99,7 +99,8 @@ class Sm90Gemm:
                  odd_n: bool = False):
         narrow_n = (16, 32) if config.swap_ab else ()  # a decode step's few rows as the MMA's N
         # 96 columns: N = 12288 in 128 tiles, about one wave on 132 SMs (runtime.gemm_config)
-        if config.tile_m not in (64, 128) or config.tile_n not in (*narrow_n, 64, 96, 128, 192, 256):
+        if (config.tile_m not in (64, 128, 192) or config.tile_n not in (*narrow_n, 64, 96, 128, 192, 256)
+                or (config.tile_m == 192 and (config.pingpong or config.tile_n > 192 or scale_mode == "block"))):
             raise ValueError(f"unsupported sm90 tile {config.tile_mn}")
         if config.stream_k and config.pingpong:
             raise ValueError(f"stream-K runs cooperative tiles, got {config}")
@@ -134,7 +135,8 @@ class Sm90Gemm:
         self.tile_threads = 128 * self.tile_wgs
         self.num_mma_threads = self.tile_threads * self.num_tile_groups
         self.threads_per_cta = 128 + self.num_mma_threads
-        self.producer_regs, self.mma_regs = 40, 232
+        # three consumer warpgroups (192-row tiles) share the register file four ways
+        self.producer_regs, self.mma_regs = 40, 232 if self.num_mma_threads <= 256 else 152
         # B is shared by the CTAs of a cluster column, A by those of a cluster row
         self.b_mcast = config.cluster_m > 1
         self.a_mcast = config.cluster_n > 1
@@ -145,7 +147,8 @@ class Sm90Gemm:
         self.epi_tile = (64 * self.tile_wgs, 32)
         # ping-pong keeps a ring per warpgroup: three subtiles each leave room for a fifth A/B
         # stage at 128 x 192 (QuACK's default tile and depth)
-        self.epi_stages = 3 if config.pingpong else 4
+        # (192-row tiles: two subtiles of 12 KB, so that 192 x 192 keeps four A/B stages)
+        self.epi_stages = 3 if config.pingpong else 2 if config.tile_m == 192 else 4
         self.ab_stages = self._ab_stages()
 
     def _ab_stages(self) -> int:
