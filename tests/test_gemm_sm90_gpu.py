@@ -93,6 +93,29 @@ def test_shapes(m, n, k, a_k_major, b_n_major, two_d):
     run_case(m, n, k, a_k_major=a_k_major, b_n_major=b_n_major, two_d=two_d)
 
 
+# the heuristic's few-wave picks (M = 384 .. 1100 at wide N), with tails: 192-row tiles in 2 x 1
+# and 1 x 1 clusters, and 1 x 1 clusters over odd numbers of 128-row tiles
+FEW_WAVE_PICKS = [
+    (1100, 4000, 264, (192, 192), (2, 1), False),
+    (700, 12288, 104, (192, 192), (2, 1), False),
+    (384, 4000, 136, (192, 64), (1, 1), False),
+    (384, 14000, 64, (192, 128), (1, 1), False),
+    (600, 12000, 200, (128, 256), (1, 1), False),
+    (640, 14336, 72, (128, 192), (1, 1), True),
+]
+
+
+@pytest.mark.parametrize("m,n,k,tile,cluster,pingpong", FEW_WAVE_PICKS,
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize("b_n_major,bias", [(True, False), (False, True)], ids=["x@W", "x@W.T+gelu"])
+def test_few_wave_picks(m, n, k, tile, cluster, pingpong, b_n_major, bias):
+    from torch_cute_ops.runtime.gemm_config import choose_config
+
+    config = choose_config("sm_90a", m, n, k, 1, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert (config.tile_mn, config.cluster_mn, config.pingpong) == (tile, cluster, pingpong)
+    run_case(m, n, k, b_n_major=b_n_major, bias=bias, activation="gelu_tanh" if bias else None, two_d=True)
+
+
 @pytest.mark.parametrize("a_k_major", [True, False])
 @pytest.mark.parametrize("b_n_major", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

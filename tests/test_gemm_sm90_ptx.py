@@ -244,8 +244,27 @@ def test_config_heuristic():
     # 14336 / 128 = 112); 16-bit only, and never 96 columns over two rows of tiles or more
     for m, n, tile in ((128, 12288, (128, 96)), (96, 11008, (128, 96)), (64, 12288, (64, 96)),
                        (48, 11008, (64, 96)), (64, 14336, (64, 128)), (33, 14336, (64, 128)),
-                       (128, 14336, (128, 128)), (256, 6144, (128, 128)), (384, 4096, (128, 128))):
+                       (128, 14336, (128, 128)), (256, 6144, (128, 128)), (512, 4096, (128, 128))):
         assert _mn(choose_config("sm_90a", m, n, 4096)) == (tile, (1 if m <= 128 else 2, 1)), (m, n)
+    # a few waves: 192-row tiles where they pad no more rows than 128-row ones and fill the
+    # waves better (1152 x 4096: 132 tiles of 192 x 192, one wave; 128 x 256 makes 144) ...
+    for m, n, k, tile, cluster in ((1152, 4096, 4096, (192, 192), (2, 1)), (1152, 12288, 4096, (192, 192), (2, 1)),
+                                   (384, 12288, 4096, (192, 192), (2, 1)), (384, 4096, 4096, (192, 64), (1, 1)),
+                                   (384, 4096, 14336, (192, 64), (1, 1)), (384, 14336, 4096, (192, 128), (1, 1))):
+        assert _mn(choose_config("sm_90a", m, n, k)) == (tile, cluster), (m, n, k)
+    # ... never where they pad more rows (640 = 5 x 128, 4 x 192 = 768), nor for FP8, nor over
+    # many waves, nor 192 x 64 / 192 x 128 over a partial last tile row (260 x 4096)
+    for m, n, k, fp8 in ((640, 12288, 4096, False), (512, 12288, 4096, False), (1152, 4096, 4096, True),
+                         (260, 4096, 4096, False), (3072, 4096, 4096, False), (16896, 4096, 4096, False)):
+        assert choose_config("sm_90a", m, n, k, fp8=fp8).tile_m == 128, (m, n, k, fp8)
+    # 1 x 1 clusters where an odd number of tile rows would put 2 x 1 clusters' second CTAs past
+    # M and add a wave (640 x 12288: 5 x 48 tiles of 128 x 256 in two waves, 6 x 48 slots in
+    # three); 2 x 1 where the waves stay as many (640 x 4096 ping-pong: 110 tiles, 132 slots)
+    assert _mn(choose_config("sm_90a", 640, 12288, 4096)) == ((128, 256), (1, 1))
+    assert _mn(choose_config("sm_90a", 1152, 14336, 4096)) == ((128, 256), (1, 1))
+    assert _mn(choose_config("sm_90a", 640, 4096, 4096)) == ((128, 192), (2, 1))
+    assert choose_config("sm_90a", 640, 14336, 4096).cluster_mn == (1, 1)
+    assert choose_config("sm_90a", 3000, 14336, 4096, fp8=True).cluster_mn == (2, 1)  # FP8 unchanged
     assert choose_config("sm_90a", 64, 12288, 4096, fp8=True).tile_mn == (64, 64)
     assert choose_config("sm_90a", 128, 12288, 4096, fp8=True).tile_mn == (128, 128)
     # short K over many tiles: 128 x 192 ping-pong (16-bit); FP8 and K = 4096 stay cooperative
@@ -273,7 +292,7 @@ def test_llm_shapes_run_shipped_variants(monkeypatch, b_k_major):
     monkeypatch.setattr(gemm_host, "get_compiled", planned.append)
     monkeypatch.setattr(gemm_host, "sm_count", lambda index: 132)
     bf16, shipped = torch.bfloat16, set(SHIPPED)
-    for m in (1, 5, 16, 17, 32, 33, 64, 128, 256, 512, 1024, 4096, 16384):
+    for m in (1, 5, 16, 17, 32, 33, 64, 128, 256, 384, 512, 640, 1024, 1152, 4096, 16384):
         for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (12288, 4096)):
             a = torch.empty(m, k, dtype=bf16, device="meta")
             b = torch.empty(n, k, dtype=bf16, device="meta").t() if b_k_major else torch.empty(k, n, dtype=bf16,

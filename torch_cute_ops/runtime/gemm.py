@@ -344,7 +344,7 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
     nn.Linear's layout and its backward's (dW = x^T @ dy: M-major A), stream-K twins of those
     for many-wave problems, the fp16 twin; 2-D
     operands (the eager common case), one batched; the tiles the heuristic gives few-row
-    problems (M up to 512 at LLM widths), with row-major and with nn.Linear's B, and a decode
+    problems (M up to 1152 at LLM widths), with row-major and with nn.Linear's B, and a decode
     step's swapped ones; FP8 e4m3 -> bf16 with rowwise and with blockwise scales at the tiles
     LLM widths take from M = 1."""
     big, medium = GemmConfig(128, 256, 2, 1), GemmConfig(128, 128, 2, 1)
@@ -354,6 +354,10 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
     one_row_of_tiles, m64 = GemmConfig(128, 128), GemmConfig(64, 64)  # M <= 128, M <= 64
     few_rows = (medium, one_row_of_tiles, GemmConfig(64, 64, 2, 1), GemmConfig(128, 64, 2, 1), wide_pingpong,
                 m64, GemmConfig(64, 128), GemmConfig(128, 96), GemmConfig(64, 96))
+    # a few waves (M = 384 .. 1152 at LLM widths): 192-row tiles, and 1 x 1 clusters where a 2 x 1
+    # cluster's second CTA would lie past M and add a wave
+    few_waves = (GemmConfig(192, 192, 2, 1), GemmConfig(192, 192), GemmConfig(192, 128), GemmConfig(192, 64),
+                 GemmConfig(128, 256), GemmConfig(128, 192, pingpong=True))
     # a decode step (M <= 32): swapped operands, so the kernel's A is the weight: M-major for
     # x @ W, K-major for nn.Linear's x @ W.T (whose bias rides along too); its B is x, K-major
     decode = (GemmConfig(128, 16, swap_ab=True), GemmConfig(128, 32, swap_ab=True))
@@ -371,7 +375,7 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
           for a_k_major, b_k_major, has_bias in ((True, False, False), (True, True, False), (True, True, True),
                                                  (False, False, False))),
         *(host.spec("bf16", "bf16", True, b_k_major, False, None, config, 2)
-          for config in few_rows for b_k_major in (False, True)),
+          for config in (*few_rows, *few_waves) for b_k_major in (False, True)),
         *decode_variants,
         host.spec("bf16", "bf16", True, False, True, "gelu_tanh", big, 2),
         host.spec("fp16", "fp16", True, False, False, None, big, 2),

@@ -182,7 +182,76 @@ def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int, fp8: bool
         # TFLOP/s; cuBLAS takes the same shape of tile there)
         return GemmConfig(64, 64, 2)
     config = GemmConfig(128, tile_n, cluster_m, pingpong=tile_n == 192)
-    return config if config.pingpong else _with_stream_k(config, m, n, batch, sm_count)
+    config = config if config.pingpong else _with_stream_k(config, m, n, batch, sm_count)
+    if config.stream_k:  # many waves, the last one shared out: nothing left to gain below
+        return config
+    config = _without_idle_cluster_rows(config, m, n, batch, sm_count)
+    score = SM90_TILE_N_EFFICIENCY[tile_n] * slot_use(config, m, n, batch, sm_count)
+    tall = _tall_tiles(m, n, batch, sm_count, score * (SM90_SINGLE_CTA_EFFICIENCY if config.cluster_m == 1 else 1))
+    return config if tall is None else tall
+
+
+def slot_use(config: GemmConfig, m: int, n: int, batch: int, sm_count: int) -> float:
+    """The share of the SMs' tile slots, over the waves a config takes, that computes output: a
+    tile's rows and columns past the problem and the CTAs of a cluster wholly past M (they run
+    the main loop with their partner) take a slot but give nothing."""
+    rows = -(-m // (config.tile_m * config.cluster_m)) * config.cluster_m
+    slots = rows * -(-n // config.tile_n) * batch
+    waves = max(-(-slots // sm_count), 1)  # an empty problem: no slot used
+    return m * n * batch / (waves * sm_count * config.tile_m * config.tile_n)
+
+
+# A 128-row tile in a 1 x 1 cluster against the same tile in 2 x 1 (B multicast to the pair),
+# at equal slot use. Fitted to the config columns of session 24 (H100, bf16, M = 384 .. 1152):
+# 0.93-0.95 for 128 x 256 and 128 x 192 ping-pong; 0.9 keeps 2 x 1 at 2052 x 14336 x 4096 (17
+# tile rows: 10 waves in 1 x 1, 11 in 2 x 1; measured 2 x 1 596 vs 1 x 1 567 TFLOP/s).
+SM90_SINGLE_CTA_EFFICIENCY = 0.9
+
+
+def _without_idle_cluster_rows(config: GemmConfig, m: int, n: int, batch: int, sm_count: int) -> GemmConfig:
+    """1 x 1 clusters where an odd number of tile rows would leave a 2 x 1 cluster's second CTA
+    past M and those CTAs cost more slot use than the multicast saves. H100, bf16, TFLOP/s, 2 x 1
+    vs 1 x 1 (session 24): 640 x 12288 x 4096 on 128 x 256 tiles 481 vs 614 (3 waves vs 2), 1152
+    x 14336 x 4096 583 vs 643 (5 vs 4), 640 x 14336 x 4096 on 128 x 192 ping-pong 525 vs 594;
+    where the waves are as many, 2 x 1 kept its lead: 640 x 14336 on 128 x 256 551 vs 507, 640
+    x 4096 ping-pong 494 vs 463."""
+    if config.cluster_m == 1:
+        return config
+    single = replace(config, cluster_m=1)
+    better = (SM90_SINGLE_CTA_EFFICIENCY * slot_use(single, m, n, batch, sm_count)
+              > slot_use(config, m, n, batch, sm_count))
+    return single if better else config
+
+
+# 192-row tiles (three consumer warpgroups), on the scale of SM90_TILE_N_EFFICIENCY: fitted to
+# bench_gemm.py config columns at M = 384, 640 and 1152 over the LLM widths (H100, bf16, session
+# 24): 192 x 192 in 2 x 1 clusters ran at 0.98 of 128 x 256 in 2 x 1 at equal slot use; 192 x 128
+# in 1 x 1 beat 128 x 192 ping-pong in 1 x 1 by 5-10% at equal slot use (384 x 14336 x 4096: 582
+# vs 528); 192 x 64 at 0.66 (its measured wins: 384 x 4096 x 4096, 128 tiles, 409-411 TFLOP/s
+# against 347-353 for 96 of 128 x 128 in 2 x 1; 533 vs 372 at K = 14336). 16-bit only, where
+# 192-row tiles pad no more rows than 128-row ones and the problem is a few waves (up to
+# SM90_TALL_TILE_MAX_WAVES of 128 x 256 tiles), the range measured.
+SM90_TALL_TILE_EFFICIENCY = {192: 0.98, 128: 0.92, 64: 0.66}
+SM90_TALL_TILE_MAX_WAVES = 4
+
+
+def _tall_tiles(m: int, n: int, batch: int, sm_count: int, score_to_beat: float) -> GemmConfig | None:
+    """The best 192-row config if it beats ``score_to_beat`` (a 128-row config's efficiency x
+    slot use), else None."""
+    rows = -(-m // 192)
+    if (m <= 256 or rows * 192 > -(-m // 128) * 128
+            or num_tiles(m, n, batch, 128, 256) > SM90_TALL_TILE_MAX_WAVES * sm_count):
+        return None
+    # 2 x 1 clusters for 192 x 192 over an even number of tile rows (as measured). The narrower
+    # 192-row tiles only over whole tile rows: with a partial last row they ran far below their
+    # full-row figures (192 x 64 at 260 x 4096 x 4096 166 TFLOP/s, 192 x 128 at 640 x 4096 x 4096
+    # 347-350; not understood yet, bench/NOTES.md session 24), 192 x 192 did not (700 x 12288: 661)
+    widths = [tile_n for tile_n in SM90_TALL_TILE_EFFICIENCY if tile_n == 192 or m % 192 == 0]
+    candidates = [GemmConfig(192, tile_n, 2 if tile_n == 192 and rows % 2 == 0 else 1) for tile_n in widths]
+    scores = {config: SM90_TALL_TILE_EFFICIENCY[config.tile_n] * slot_use(config, m, n, batch, sm_count)
+              for config in candidates}
+    best = max(candidates, key=scores.get)
+    return best if scores[best] > score_to_beat else None
 
 
 # From this many full waves of work units (clusters of tiles) on, a 16-bit GEMM whose last wave
