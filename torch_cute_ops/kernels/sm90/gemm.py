@@ -126,6 +126,10 @@ class Sm90Gemm:
         self.config = config
         self.swap_ab = config.swap_ab  # the bias runs along the kernel's M (the caller's N)
         self.stream_k = config.stream_k  # the last waves split along K (StreamKTileScheduler)
+        # the last tile row moves back to end at row M (see _row_start); not under stream-K, whose
+        # split tiles would store the rows both tiles compute with other roundings, nor with
+        # blockwise scales, whose A scales are read per tile row
+        self.shift_tail_rows = not config.stream_k and scale_mode != "block"
         self.tile_shape_mnk = (config.tile_m, config.tile_n, TILE_K_BYTES * 8 // ab_dtype.width)
         self.cluster_shape_mn = config.cluster_mn
         self.pingpong = config.pingpong
@@ -319,7 +323,7 @@ class Sm90Gemm:
         if wg_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
             if warp_idx == 0:
-                self._produce(ab_pipeline, sched, tma_atom_a, tma_atom_b, gA, gB, sA, sB,
+                self._produce(ab_pipeline, sched, tma_atom_a, tma_atom_b, mA_mkl, gA, gB, sA, sB,
                               cluster_layout_mnk, cluster_coord_mnk, num_k_tiles)
         else:
             cute.arch.warpgroup_reg_alloc(self.mma_regs)
@@ -327,13 +331,13 @@ class Sm90Gemm:
                           sA, sB, sC, num_k_tiles, tidx - 128, (mPartials, mFlags))
 
     @cute.jit
-    def _produce(self, ab_pipeline, sched, tma_atom_a, tma_atom_b, gA, gB, sA, sB,
+    def _produce(self, ab_pipeline, sched, tma_atom_a, tma_atom_b, mA_mkl, gA, gB, sA, sB,
                  cluster_layout_mnk, cluster_coord_mnk, num_k_tiles):
         """TMA loads of every k-tile of every tile this CTA owns, ab_stages ahead of the MMAs."""
         # A is split over the CTAs of a cluster row, B over those of a cluster column
+        a_cta_layout = cute.make_layout(cute.slice_(cluster_layout_mnk, (0, None, 0)).shape)
         tAsA, tAgA = cpasync.tma_partition(
-            tma_atom_a, cluster_coord_mnk[1], cute.make_layout(cute.slice_(cluster_layout_mnk, (0, None, 0)).shape),
-            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+            tma_atom_a, cluster_coord_mnk[1], a_cta_layout, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
         )
         tBsB, tBgB = cpasync.tma_partition(
             tma_atom_b, cluster_coord_mnk[0], cute.make_layout(cute.slice_(cluster_layout_mnk, (None, 0, 0)).shape),
@@ -346,7 +350,14 @@ class Sm90Gemm:
         work_idx, num_work_units, work_stride = self._work_walk(sched)
         while work_idx < num_work_units:
             tile_m_idx, tile_n_idx, batch_idx, k_begin, k_count, _ = self._work_tile(sched, work_idx, num_k_tiles)
-            tAgA_tile = tAgA[(None, tile_m_idx, None, batch_idx)]
+            if cutlass.const_expr(self.shift_tail_rows):
+                rows = cute.domain_offset((self._row_start(tile_m_idx, mA_mkl.shape[0]), 0),
+                                          mA_mkl[None, None, batch_idx])
+                gA_rows = cute.local_tile(rows, (self.tile_shape_mnk[0], self.tile_shape_mnk[2]), (0, None))
+                _, tAgA_tile = cpasync.tma_partition(tma_atom_a, cluster_coord_mnk[1], a_cta_layout,
+                                                     cute.group_modes(sA, 0, 2), cute.group_modes(gA_rows, 0, 2))
+            else:
+                tAgA_tile = tAgA[(None, tile_m_idx, None, batch_idx)]
             tBgB_tile = tBgB[(None, tile_n_idx, None, batch_idx)]
             for k_tile in cutlass.range(k_count, unroll=1):
                 k_idx = k_tile if cutlass.const_expr(not self.stream_k) else k_begin + k_tile
@@ -379,6 +390,18 @@ class Sm90Gemm:
             work = sched.work(work_idx)
             return work.tile_m_idx, work.tile_n_idx, work.batch_idx, work.k_begin, work.k_end - work.k_begin, work
         return (*sched.tile_coord(work_idx), 0, num_k_tiles, None)
+
+    def _row_start(self, tile_m_idx, num_rows):
+        """The first row of a tile. A tile over the M tail, or wholly past M (the second CTA of a
+        2 x 1 cluster over an odd number of tile rows), moves back to end at row M where M holds a
+        whole tile: the TMA fills rows past M with zeros at a fraction of its load rate (H200,
+        192 x 64 tiles, N = K = 4096: 54 us at M = 193, 28 us at M = 384), while the rows it
+        shares with the tile before are computed in the same order and stored again unchanged."""
+        tile_m = self.tile_shape_mnk[0]
+        row_start = tile_m_idx * tile_m
+        if cutlass.const_expr(self.shift_tail_rows):  # (below one tile of rows: the first tile)
+            row_start = cutlass.min(row_start, cutlass.max(num_rows - tile_m, 0))
+        return row_start
 
     @cute.jit
     def _consume(self, ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, mScaleA, mScaleB, alpha,
@@ -443,9 +466,10 @@ class Sm90Gemm:
         work_idx, num_work_units, work_stride = self._work_walk(sched, group)
         while work_idx < num_work_units:
             tile_m_idx, tile_n_idx, batch_idx, k_begin, k_count, work = self._work_tile(sched, work_idx, num_k_tiles)
+            row_start = self._row_start(tile_m_idx, mC_mnl.shape[0])
             column_values = self._column_values(tCcC, mBias, mScaleB, tile_n_idx * tile_n, mC_mnl.shape, batch_idx)
             if cutlass.const_expr(self.swap_ab):  # the bias runs along the rows, scale_b (a's) along the columns
-                column_values = (self._row_bias(tCcC, mBias, tile_m_idx * tile_m, mC_mnl.shape), column_values[1])
+                column_values = (self._row_bias(tCcC, mBias, row_start, mC_mnl.shape), column_values[1])
 
             if cutlass.const_expr(self.pingpong):
                 my_turn.arrive_and_wait()
@@ -475,13 +499,16 @@ class Sm90Gemm:
                                           group_tidx, self.tile_threads)
             if finishes:
                 # ---- epilogue: alpha, bias and activation in fp32 registers, then out
-                self._scale_add_bias(acc, alpha, tCcC, column_values, mScaleA, tile_m_idx * tile_m, mC_mnl.shape,
-                                     batch_idx)
+                self._scale_add_bias(acc, alpha, tCcC, column_values, mScaleA, row_start, mC_mnl.shape, batch_idx)
                 apply_activation(acc, self.activation)
                 if cutlass.const_expr(self.direct_store):
-                    self._store_direct(acc, tCcC, mC_mnl, tile_m_idx, tile_n_idx, batch_idx)
+                    self._store_direct(acc, tCcC, mC_mnl, row_start, tile_n_idx, batch_idx)
                 else:
-                    gC_subtiles = cute.zipped_divide(gC[(None, None, tile_m_idx, tile_n_idx, batch_idx)], self.epi_tile)
+                    gC_tile = gC[(None, None, tile_m_idx, tile_n_idx, batch_idx)]
+                    if cutlass.const_expr(self.shift_tail_rows):
+                        rows = cute.domain_offset((row_start, 0), mC_mnl[None, None, batch_idx])
+                        gC_tile = cute.local_tile(rows, (tile_m, tile_n), (0, tile_n_idx))
+                    gC_subtiles = cute.zipped_divide(gC_tile, self.epi_tile)
                     tCsC_store, tCgC_store = cpasync.tma_partition(
                         tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_subtiles,
                     )
@@ -720,13 +747,13 @@ class Sm90Gemm:
                 acc[i] = acc[i] * scale
 
     @cute.jit
-    def _store_direct(self, acc, tCcC, mC_mnl, tile_m_idx, tile_n_idx, batch_idx):
+    def _store_direct(self, acc, tCcC, mC_mnl, row_start, tile_n_idx, batch_idx):
         """fp32 (or swapped 16-bit) out: each thread stores its accumulator values, predicated
         on the M/N tails."""
-        tile_m, tile_n, _ = self.tile_shape_mnk
+        tile_n = self.tile_shape_mnk[1]
         num_rows, num_cols = mC_mnl.shape[0], mC_mnl.shape[1]
         for i in cutlass.range_constexpr(cute.size(acc)):
-            row = tile_m_idx * tile_m + tCcC[i][0]
+            row = row_start + tCcC[i][0]
             col = tile_n_idx * tile_n + tCcC[i][1]
             if row < num_rows and col < num_cols:
                 if cutlass.const_expr(self.out_dtype.width == 32):
