@@ -93,32 +93,35 @@ def test_shapes(m, n, k, a_k_major, b_n_major, two_d):
     run_case(m, n, k, a_k_major=a_k_major, b_n_major=b_n_major, two_d=two_d)
 
 
-# a last tile row over the M tail moves back to end at row M (and a 2 x 1 cluster's CTA wholly
-# past M with it): tiles of 64 / 128 / 192 rows, ping-pong, fp32 (direct) and 16-bit (TMA) out,
-# swapped operands (the weight's N tails), and M below one tile (no move)
-TAIL_ROW_CASES = [
+# a last tile row (column) over the M (N) tail moves back to end at row M (column N), and a
+# cluster's CTA wholly past M or N with it: tiles of 64 / 128 / 192 rows, ping-pong, 1 x 2
+# clusters, fp32 (direct) and 16-bit (TMA) out, x @ W and x @ W.T, M or N below one tile (no move)
+TAIL_CASES = [
     (260, 4096, 200, (192, 64, 1, 1, False)),
     (193, 520, 136, (192, 192, 2, 1, False)),
     (300, 1000, 264, (128, 128, 2, 1, False)),
     (130, 776, 72, (128, 256, 1, 1, False)),
     (331, 1000, 64, (128, 192, 2, 1, True)),
+    (200, 1000, 64, (128, 128, 1, 2, False)),
     (100, 256, 64, (128, 128, 2, 1, False)),
     (97, 304, 128, (64, 64, 2, 1, False)),
+    (520, 96, 64, (128, 128, 1, 1, False)),
 ]
 
 
-@pytest.mark.parametrize("m,n,k,config", TAIL_ROW_CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple)
+@pytest.mark.parametrize("m,n,k,config", TAIL_CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple)
                          else str(v))
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_tail_rows(m, n, k, config, out_dtype):
-    """Every row right (the rows two tiles share included), and bitwise the same on a rerun."""
+@pytest.mark.parametrize("out_dtype,b_k_major", [(torch.bfloat16, False), (torch.float32, True)], ids=["bf16", "fp32"])
+def test_tail_tiles(m, n, k, config, out_dtype, b_k_major):
+    """Every output right (those two tiles share included), and bitwise the same on a rerun."""
     from torch_cute_ops.runtime.gemm import SM90 as sm90_gemm
     from torch_cute_ops.runtime.gemm_config import GemmConfig
 
     tile_m, tile_n, cluster_m, cluster_n, pingpong = config
     config = GemmConfig(tile_m, tile_n, cluster_m, cluster_n, group_size=3, pingpong=pingpong)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if b_k_major
+         else torch.randn(k, n, device="cuda", dtype=torch.bfloat16))
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     outs = [torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype) for _ in range(2)]
     for out in outs:
@@ -129,8 +132,9 @@ def test_tail_rows(m, n, k, config, out_dtype):
 
 
 @pytest.mark.parametrize("m", [17, 200, 333])
-def test_tail_rows_swapped(m):
-    """Swapped operands: the kernel's rows are the weight's N (here 1000 = 7 x 128 + 104)."""
+def test_tail_tiles_swapped(m):
+    """Swapped operands: the kernel's rows are the weight's N (here 1000 = 7 x 128 + 104), its
+    columns the caller's M (17 < 32: no move)."""
     from torch_cute_ops.runtime.gemm_config import GemmConfig
 
     run_case(m, 1000, 264, config=GemmConfig(128, 32, swap_ab=True), bias=True, two_d=True)

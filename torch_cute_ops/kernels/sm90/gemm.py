@@ -126,10 +126,10 @@ class Sm90Gemm:
         self.config = config
         self.swap_ab = config.swap_ab  # the bias runs along the kernel's M (the caller's N)
         self.stream_k = config.stream_k  # the last waves split along K (StreamKTileScheduler)
-        # the last tile row moves back to end at row M (see _row_start); not under stream-K, whose
-        # split tiles would store the rows both tiles compute with other roundings, nor with
-        # blockwise scales, whose A scales are read per tile row
-        self.shift_tail_rows = not config.stream_k and scale_mode != "block"
+        # the last tile row (column) moves back to end at row M (column N), see _tile_start; not
+        # under stream-K, whose split tiles would store the outputs both tiles compute with other
+        # roundings, nor with blockwise scales, read per 128-column block of B
+        self.shift_tails = not config.stream_k and scale_mode != "block"
         self.tile_shape_mnk = (config.tile_m, config.tile_n, TILE_K_BYTES * 8 // ab_dtype.width)
         self.cluster_shape_mn = config.cluster_mn
         self.pingpong = config.pingpong
@@ -323,7 +323,7 @@ class Sm90Gemm:
         if wg_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
             if warp_idx == 0:
-                self._produce(ab_pipeline, sched, tma_atom_a, tma_atom_b, mA_mkl, gA, gB, sA, sB,
+                self._produce(ab_pipeline, sched, tma_atom_a, tma_atom_b, mA_mkl, mB_nkl, gA, gB, sA, sB,
                               cluster_layout_mnk, cluster_coord_mnk, num_k_tiles)
         else:
             cute.arch.warpgroup_reg_alloc(self.mma_regs)
@@ -331,7 +331,7 @@ class Sm90Gemm:
                           sA, sB, sC, num_k_tiles, tidx - 128, (mPartials, mFlags))
 
     @cute.jit
-    def _produce(self, ab_pipeline, sched, tma_atom_a, tma_atom_b, mA_mkl, gA, gB, sA, sB,
+    def _produce(self, ab_pipeline, sched, tma_atom_a, tma_atom_b, mA_mkl, mB_nkl, gA, gB, sA, sB,
                  cluster_layout_mnk, cluster_coord_mnk, num_k_tiles):
         """TMA loads of every k-tile of every tile this CTA owns, ab_stages ahead of the MMAs."""
         # A is split over the CTAs of a cluster row, B over those of a cluster column
@@ -339,9 +339,9 @@ class Sm90Gemm:
         tAsA, tAgA = cpasync.tma_partition(
             tma_atom_a, cluster_coord_mnk[1], a_cta_layout, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
         )
+        b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_mnk, (None, 0, 0)).shape)
         tBsB, tBgB = cpasync.tma_partition(
-            tma_atom_b, cluster_coord_mnk[0], cute.make_layout(cute.slice_(cluster_layout_mnk, (None, 0, 0)).shape),
-            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
+            tma_atom_b, cluster_coord_mnk[0], b_cta_layout, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
         )
         a_mcast_mask = cute.make_layout_image_mask(cluster_layout_mnk, cluster_coord_mnk, mode=1) if self.a_mcast else 0
         b_mcast_mask = cute.make_layout_image_mask(cluster_layout_mnk, cluster_coord_mnk, mode=0) if self.b_mcast else 0
@@ -350,15 +350,14 @@ class Sm90Gemm:
         work_idx, num_work_units, work_stride = self._work_walk(sched)
         while work_idx < num_work_units:
             tile_m_idx, tile_n_idx, batch_idx, k_begin, k_count, _ = self._work_tile(sched, work_idx, num_k_tiles)
-            if cutlass.const_expr(self.shift_tail_rows):
-                rows = cute.domain_offset((self._row_start(tile_m_idx, mA_mkl.shape[0]), 0),
-                                          mA_mkl[None, None, batch_idx])
-                gA_rows = cute.local_tile(rows, (self.tile_shape_mnk[0], self.tile_shape_mnk[2]), (0, None))
-                _, tAgA_tile = cpasync.tma_partition(tma_atom_a, cluster_coord_mnk[1], a_cta_layout,
-                                                     cute.group_modes(sA, 0, 2), cute.group_modes(gA_rows, 0, 2))
+            if cutlass.const_expr(self.shift_tails):
+                tAgA_tile = self._k_tiles(tma_atom_a, cluster_coord_mnk[1], a_cta_layout, sA, mA_mkl, tile_m_idx,
+                                          batch_idx, self.tile_shape_mnk[0])
+                tBgB_tile = self._k_tiles(tma_atom_b, cluster_coord_mnk[0], b_cta_layout, sB, mB_nkl, tile_n_idx,
+                                          batch_idx, self.tile_shape_mnk[1])
             else:
                 tAgA_tile = tAgA[(None, tile_m_idx, None, batch_idx)]
-            tBgB_tile = tBgB[(None, tile_n_idx, None, batch_idx)]
+                tBgB_tile = tBgB[(None, tile_n_idx, None, batch_idx)]
             for k_tile in cutlass.range(k_count, unroll=1):
                 k_idx = k_tile if cutlass.const_expr(not self.stream_k) else k_begin + k_tile
                 ab_pipeline.producer_acquire(state)
@@ -391,17 +390,26 @@ class Sm90Gemm:
             return work.tile_m_idx, work.tile_n_idx, work.batch_idx, work.k_begin, work.k_end - work.k_begin, work
         return (*sched.tile_coord(work_idx), 0, num_k_tiles, None)
 
-    def _row_start(self, tile_m_idx, num_rows):
-        """The first row of a tile. A tile over the M tail, or wholly past M (the second CTA of a
-        2 x 1 cluster over an odd number of tile rows), moves back to end at row M where M holds a
-        whole tile: the TMA fills rows past M with zeros at a fraction of its load rate (H200,
-        192 x 64 tiles, N = K = 4096: 54 us at M = 193, 28 us at M = 384), while the rows it
-        shares with the tile before are computed in the same order and stored again unchanged."""
-        tile_m = self.tile_shape_mnk[0]
-        row_start = tile_m_idx * tile_m
-        if cutlass.const_expr(self.shift_tail_rows):  # (below one tile of rows: the first tile)
-            row_start = cutlass.min(row_start, cutlass.max(num_rows - tile_m, 0))
-        return row_start
+    def _tile_start(self, tile_idx, extent, tile):
+        """The first row (column) of a tile of ``tile`` rows (columns) of an ``extent``-long
+        dimension. A tile over the tail, or wholly past it (the second CTA of a 2 x 1 cluster over
+        an odd number of tile rows), moves back to end at the extent where it holds a whole tile:
+        the TMA fills elements past the end with zeros at a fraction of its load rate (H200, 192
+        x 64 tiles, N = K = 4096: 54 us at M = 193, 28 us at M = 384), while the outputs the tile
+        shares with the one before are computed in the same order and stored again unchanged."""
+        start = tile_idx * tile
+        if cutlass.const_expr(self.shift_tails):  # (below one tile: the first tile, unmoved)
+            start = cutlass.min(start, cutlass.max(extent - tile, 0))
+        return start
+
+    @cute.jit
+    def _k_tiles(self, tma_atom, cta_coord, cta_layout, sX, mX, tile_idx, batch_idx, tile):
+        """(TMA values, k-tile) gmem view of an A (B) tile from its (moved) first row (column)."""
+        rows = cute.domain_offset((self._tile_start(tile_idx, mX.shape[0], tile), 0), mX[None, None, batch_idx])
+        gX = cute.local_tile(rows, (tile, self.tile_shape_mnk[2]), (0, None))
+        _, tXgX = cpasync.tma_partition(tma_atom, cta_coord, cta_layout, cute.group_modes(sX, 0, 2),
+                                        cute.group_modes(gX, 0, 2))
+        return tXgX
 
     @cute.jit
     def _consume(self, ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, mScaleA, mScaleB, alpha,
@@ -466,8 +474,9 @@ class Sm90Gemm:
         work_idx, num_work_units, work_stride = self._work_walk(sched, group)
         while work_idx < num_work_units:
             tile_m_idx, tile_n_idx, batch_idx, k_begin, k_count, work = self._work_tile(sched, work_idx, num_k_tiles)
-            row_start = self._row_start(tile_m_idx, mC_mnl.shape[0])
-            column_values = self._column_values(tCcC, mBias, mScaleB, tile_n_idx * tile_n, mC_mnl.shape, batch_idx)
+            row_start = self._tile_start(tile_m_idx, mC_mnl.shape[0], tile_m)
+            col_start = self._tile_start(tile_n_idx, mC_mnl.shape[1], tile_n)
+            column_values = self._column_values(tCcC, mBias, mScaleB, col_start, mC_mnl.shape, batch_idx)
             if cutlass.const_expr(self.swap_ab):  # the bias runs along the rows, scale_b (a's) along the columns
                 column_values = (self._row_bias(tCcC, mBias, row_start, mC_mnl.shape), column_values[1])
 
@@ -502,12 +511,12 @@ class Sm90Gemm:
                 self._scale_add_bias(acc, alpha, tCcC, column_values, mScaleA, row_start, mC_mnl.shape, batch_idx)
                 apply_activation(acc, self.activation)
                 if cutlass.const_expr(self.direct_store):
-                    self._store_direct(acc, tCcC, mC_mnl, row_start, tile_n_idx, batch_idx)
+                    self._store_direct(acc, tCcC, mC_mnl, row_start, col_start, batch_idx)
                 else:
                     gC_tile = gC[(None, None, tile_m_idx, tile_n_idx, batch_idx)]
-                    if cutlass.const_expr(self.shift_tail_rows):
-                        rows = cute.domain_offset((row_start, 0), mC_mnl[None, None, batch_idx])
-                        gC_tile = cute.local_tile(rows, (tile_m, tile_n), (0, tile_n_idx))
+                    if cutlass.const_expr(self.shift_tails):
+                        tile_mn = cute.domain_offset((row_start, col_start), mC_mnl[None, None, batch_idx])
+                        gC_tile = cute.local_tile(tile_mn, (tile_m, tile_n), (0, 0))
                     gC_subtiles = cute.zipped_divide(gC_tile, self.epi_tile)
                     tCsC_store, tCgC_store = cpasync.tma_partition(
                         tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_subtiles,
@@ -747,14 +756,13 @@ class Sm90Gemm:
                 acc[i] = acc[i] * scale
 
     @cute.jit
-    def _store_direct(self, acc, tCcC, mC_mnl, row_start, tile_n_idx, batch_idx):
+    def _store_direct(self, acc, tCcC, mC_mnl, row_start, col_start, batch_idx):
         """fp32 (or swapped 16-bit) out: each thread stores its accumulator values, predicated
         on the M/N tails."""
-        tile_n = self.tile_shape_mnk[1]
         num_rows, num_cols = mC_mnl.shape[0], mC_mnl.shape[1]
         for i in cutlass.range_constexpr(cute.size(acc)):
             row = row_start + tCcC[i][0]
-            col = tile_n_idx * tile_n + tCcC[i][1]
+            col = col_start + tCcC[i][1]
             if row < num_rows and col < num_cols:
                 if cutlass.const_expr(self.out_dtype.width == 32):
                     mC_mnl[row, col, batch_idx] = acc[i]
