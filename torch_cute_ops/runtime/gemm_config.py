@@ -29,7 +29,11 @@ Hopper (sm_90a) rules, for 16-bit inputs on a 132-SM H100/H200:
 * K <= 1024 with at least sixteen waves of ``128 x 192`` tiles (16-bit only): those tiles
   in ping-pong, whose epilogue overlaps the other warpgroup's short main loop.
 * a ``2 x 1`` cluster (B tile multicast to both CTAs of the pair, halving its L2
-  reads) whenever there are at least two tile rows.
+  reads) whenever there are at least two tile rows, unless the second CTA of the last cluster
+  row (past M, over an odd number of tile rows) would add a wave (:func:`slot_use`).
+* a few waves (M = 384 .. 1152 at LLM widths): ``192``-row tiles (three consumer warpgroups)
+  where they pad no more rows than 128-row ones and use the SMs' tile slots better
+  (:data:`SM90_TALL_TILE_EFFICIENCY`): 1152 x 4096 makes one wave of 192 x 192 tiles.
 * stream-K (16-bit, cooperative tiles) from eight full waves of work on, when the last wave
   is partial (:data:`SM90_STREAM_K_MIN_WAVES`).
 * bands of 8 clusters along M for L2 reuse between the tiles of one wave.
