@@ -259,10 +259,12 @@ def test_config_heuristic():
         assert choose_config("sm_90a", m, n, k, fp8=fp8).tile_m == 128, (m, n, k, fp8)
     # 1 x 1 clusters where an odd number of tile rows would put 2 x 1 clusters' second CTAs past
     # M and add a wave (640 x 12288: 5 x 48 tiles of 128 x 256 in two waves, 6 x 48 slots in
-    # three); 2 x 1 where the waves stay as many (640 x 4096 ping-pong: 110 tiles, 132 slots)
+    # three)
     assert _mn(choose_config("sm_90a", 640, 12288, 4096)) == ((128, 256), (1, 1))
     assert _mn(choose_config("sm_90a", 1152, 14336, 4096)) == ((128, 256), (1, 1))
-    assert _mn(choose_config("sm_90a", 640, 4096, 4096)) == ((128, 192), (2, 1))
+    # one wave of 128 x 160 tiles in 1 x 2 clusters (26 columns of tiles at N = 4096, five rows)
+    assert _mn(choose_config("sm_90a", 640, 4096, 4096)) == ((128, 160), (1, 2))
+    assert _mn(choose_config("sm_90a", 640, 4096, 14336)) == ((128, 160), (1, 2))
     assert choose_config("sm_90a", 640, 14336, 4096).cluster_mn == (1, 1)
     assert choose_config("sm_90a", 3000, 14336, 4096, fp8=True).cluster_mn == (2, 1)  # FP8 unchanged
     assert choose_config("sm_90a", 64, 12288, 4096, fp8=True).tile_mn == (64, 64)

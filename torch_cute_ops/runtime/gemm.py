@@ -357,7 +357,7 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
     # a few waves (M = 384 .. 1152 at LLM widths): 192-row tiles, and 1 x 1 clusters where a 2 x 1
     # cluster's second CTA would lie past M and add a wave
     few_waves = (GemmConfig(192, 192, 2, 1), GemmConfig(192, 192), GemmConfig(192, 128), GemmConfig(192, 64),
-                 GemmConfig(128, 256), GemmConfig(128, 192, pingpong=True))
+                 GemmConfig(128, 256), GemmConfig(128, 192, pingpong=True), GemmConfig(128, 160, 1, 2))
     # a decode step (M <= 32): swapped operands, so the kernel's A is the weight: M-major for
     # x @ W, K-major for nn.Linear's x @ W.T (whose bias rides along too); its B is x, K-major
     decode = (GemmConfig(128, 16, swap_ab=True), GemmConfig(128, 32, swap_ab=True))

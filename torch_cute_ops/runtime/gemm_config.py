@@ -191,16 +191,24 @@ def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int, fp8: bool
         return config
     config = _without_idle_cluster_rows(config, m, n, batch, sm_count)
     score = SM90_TILE_N_EFFICIENCY[tile_n] * slot_use(config, m, n, batch, sm_count)
-    tall = _tall_tiles(m, n, batch, sm_count, score * (SM90_SINGLE_CTA_EFFICIENCY if config.cluster_m == 1 else 1))
-    return config if tall is None else tall
+    score *= SM90_SINGLE_CTA_EFFICIENCY if config.cluster_m == 1 else 1
+    tall = _tall_tiles(m, n, batch, sm_count, score)
+    if tall is not None:
+        return tall
+    one_wave = SM90_ONE_WAVE_160
+    if (slot_use(one_wave, m, n, batch, sm_count) * SM90_ONE_WAVE_160_EFFICIENCY > score
+            and num_tiles(m, n, batch, 128, 160) <= sm_count):
+        return one_wave
+    return config
 
 
 def slot_use(config: GemmConfig, m: int, n: int, batch: int, sm_count: int) -> float:
     """The share of the SMs' tile slots, over the waves a config takes, that computes output: a
-    tile's rows and columns past the problem and the CTAs of a cluster wholly past M (they run
-    the main loop with their partner) take a slot but give nothing."""
+    tile's rows and columns past the problem and the CTAs of a cluster wholly past M or N (they
+    run the main loop with their partner) take a slot but give nothing."""
     rows = -(-m // (config.tile_m * config.cluster_m)) * config.cluster_m
-    slots = rows * -(-n // config.tile_n) * batch
+    cols = -(-n // (config.tile_n * config.cluster_n)) * config.cluster_n
+    slots = rows * cols * batch
     waves = max(-(-slots // sm_count), 1)  # an empty problem: no slot used
     return m * n * batch / (waves * sm_count * config.tile_m * config.tile_n)
 
@@ -249,13 +257,24 @@ def _tall_tiles(m: int, n: int, batch: int, sm_count: int, score_to_beat: float)
     # 2 x 1 clusters for 192 x 192 over an even number of tile rows (as measured). The narrower
     # 192-row tiles only over whole tile rows: with a partial last row they ran far below their
     # full-row figures (192 x 64 at 260 x 4096 x 4096 166 TFLOP/s, 192 x 128 at 640 x 4096 x 4096
-    # 347-350; not understood yet, bench/NOTES.md session 24), 192 x 192 did not (700 x 12288: 661)
+    # 347-350), measured before the kernel stopped loading past M (the TMA's slow zero fill,
+    # kernels/sm90/gemm.py _tile_start); not re-fitted since
     widths = [tile_n for tile_n in SM90_TALL_TILE_EFFICIENCY if tile_n == 192 or m % 192 == 0]
     candidates = [GemmConfig(192, tile_n, 2 if tile_n == 192 and rows % 2 == 0 else 1) for tile_n in widths]
     scores = {config: SM90_TALL_TILE_EFFICIENCY[config.tile_n] * slot_use(config, m, n, batch, sm_count)
               for config in candidates}
     best = max(candidates, key=scores.get)
     return best if scores[best] > score_to_beat else None
+
+
+# 128 x 160 tiles in 1 x 2 clusters (A multicast to the pair), as cuBLAS runs 640 x 4096 x K:
+# 26 columns of tiles at N = 4096, 130 tiles over five tile rows, one wave. Only where they make
+# one wave: H200, bf16, bare, session 24: 640 x 4096 x 4096 611 vs 560 TFLOP/s (128 x 192
+# ping-pong in 2 x 1, the pick before), 656 vs 588 at K = 14336; behind at 384 x 4096 (399 vs 475)
+# and over several waves (2052 x 14336: 571 vs 584, 1536 x 4096: 540 vs 702). Efficiency on the
+# scale of SM90_TILE_N_EFFICIENCY, fitted to the 640 x 4096 pair.
+SM90_ONE_WAVE_160 = GemmConfig(128, 160, 1, 2)
+SM90_ONE_WAVE_160_EFFICIENCY = 0.87
 
 
 # From this many full waves of work units (clusters of tiles) on, a 16-bit GEMM whose last wave
