@@ -99,7 +99,7 @@ class Sm90Gemm:
                  odd_n: bool = False):
         narrow_n = (16, 32) if config.swap_ab else ()  # a decode step's few rows as the MMA's N
         # 96 columns: N = 12288 in 128 tiles, about one wave on 132 SMs (runtime.gemm_config); 160:
-        # N = 4096 in 26 columns of tiles, 130 tiles at M = 640 (a config option, not a pick yet)
+        # N = 4096 in 26 columns of tiles, one wave of 130 at M = 640
         if (config.tile_m not in (64, 128, 192) or config.tile_n not in (*narrow_n, 64, 96, 128, 160, 192, 256)
                 or (config.tile_m == 192 and (config.pingpong or config.tile_n > 192 or scale_mode == "block"))):
             raise ValueError(f"unsupported sm90 tile {config.tile_mn}")
