@@ -189,9 +189,10 @@ def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int, fp8: bool
     config = config if config.pingpong else _with_stream_k(config, m, n, batch, sm_count)
     if config.stream_k:  # many waves, the last one shared out: nothing left to gain below
         return config
-    config = _without_idle_cluster_rows(config, m, n, batch, sm_count)
-    score = SM90_TILE_N_EFFICIENCY[tile_n] * slot_use(config, m, n, batch, sm_count)
-    score *= SM90_SINGLE_CTA_EFFICIENCY if config.cluster_m == 1 else 1
+    # a few waves: the 128-row pick against taller and narrower tiles, by efficiency x slot use
+    single = _without_idle_cluster_rows(config, m, n, batch, sm_count)
+    score = SM90_TILE_N_EFFICIENCY[tile_n] * slot_use(single, m, n, batch, sm_count)
+    score *= SM90_SINGLE_CTA_EFFICIENCY if single.cluster_m < config.cluster_m else 1
     tall = _tall_tiles(m, n, batch, sm_count, score)
     if tall is not None:
         return tall
@@ -199,7 +200,7 @@ def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int, fp8: bool
     if (slot_use(one_wave, m, n, batch, sm_count) * SM90_ONE_WAVE_160_EFFICIENCY > score
             and num_tiles(m, n, batch, 128, 160) <= sm_count):
         return one_wave
-    return config
+    return single
 
 
 def slot_use(config: GemmConfig, m: int, n: int, batch: int, sm_count: int) -> float:
