@@ -283,6 +283,23 @@ def test_config_heuristic():
     assert not choose_config("sm_90a", 8192, 8192, 1024).stream_k  # ping-pong
 
 
+def test_slot_use_counts_padding_and_idle_cluster_ctas():
+    """slot_use = output / (waves x SMs x tile area): padded rows and columns, and the CTAs of a
+    cluster wholly past M or N, take slots."""
+    from torch_cute_ops.runtime.gemm_config import slot_use
+
+    # 1152 x 4096 on 192 x 192: 6 x 22 = 132 tiles, one wave, 4224 columns computed for 4096
+    assert slot_use(GemmConfig(192, 192, 2, 1), 1152, 4096, 1, 132) == pytest.approx(4096 / 4224)
+    # 384 rows of 128 x 128 in 2 x 1 clusters: 4 rows of CTAs (one past M) x 32 = 128 slots, one wave
+    assert slot_use(GemmConfig(128, 128, 2, 1), 384, 4096, 1, 132) == pytest.approx(96 / 132)
+    # 640 x 12288 on 128 x 256: 5 x 48 = 240 tiles in two waves; 2 x 1 adds a sixth row, three waves
+    assert slot_use(GemmConfig(128, 256), 640, 12288, 1, 132) == pytest.approx(240 / 264)
+    assert slot_use(GemmConfig(128, 256, 2, 1), 640, 12288, 1, 132) == pytest.approx(240 / 396)
+    # 1 x 2 clusters count a column of CTAs past N: 4000 / 160 = 25 columns, 26 with the pair's
+    assert slot_use(GemmConfig(128, 160, 1, 2), 640, 4000, 1, 132) == pytest.approx(640 * 4000 / (132 * 128 * 160))
+    assert slot_use(GemmConfig(128, 128), 0, 4096, 1, 132) == 0.0  # an empty problem
+
+
 @pytest.mark.parametrize("b_k_major", [False, True], ids=["x@W", "x@W.T"])
 def test_llm_shapes_run_shipped_variants(monkeypatch, b_k_major):
     """Every bf16 GEMM of the LLM widths (N, K in 4096 / 12288 / 14336), M from a decode step's 1
