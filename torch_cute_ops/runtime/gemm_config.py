@@ -196,10 +196,9 @@ def _sm90_heuristic(m: int, n: int, k: int, batch: int, sm_count: int, fp8: bool
     tall = _tall_tiles(m, n, batch, sm_count, score)
     if tall is not None:
         return tall
-    one_wave = SM90_ONE_WAVE_160
-    if (slot_use(one_wave, m, n, batch, sm_count) * SM90_ONE_WAVE_160_EFFICIENCY > score
-            and num_tiles(m, n, batch, 128, 160) <= sm_count):
-        return one_wave
+    if (num_tiles(m, n, batch, 128, 160) <= sm_count
+            and SM90_ONE_WAVE_160_EFFICIENCY * slot_use(SM90_ONE_WAVE_160, m, n, batch, sm_count) > score):
+        return SM90_ONE_WAVE_160
     return single
 
 

@@ -514,10 +514,11 @@ class Sm90Gemm:
                 if cutlass.const_expr(self.direct_store):
                     self._store_direct(acc, tCcC, mC_mnl, row_start, col_start, batch_idx)
                 else:
-                    gC_tile = gC[(None, None, tile_m_idx, tile_n_idx, batch_idx)]
                     if cutlass.const_expr(self.shift_tails):
                         tile_mn = cute.domain_offset((row_start, col_start), mC_mnl[None, None, batch_idx])
                         gC_tile = cute.local_tile(tile_mn, (tile_m, tile_n), (0, 0))
+                    else:
+                        gC_tile = gC[(None, None, tile_m_idx, tile_n_idx, batch_idx)]
                     gC_subtiles = cute.zipped_divide(gC_tile, self.epi_tile)
                     tCsC_store, tCgC_store = cpasync.tma_partition(
                         tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_subtiles,
