@@ -57,7 +57,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...runtime.gemm_config import GemmConfig
 from ...runtime.spec import KernelSpec
@@ -66,6 +66,7 @@ from ..common.activation import apply_activation
 from ..common.gemm_operands import (fake_operand, fake_scales, scales_to_kernel_order, swapped_scales,
                                     to_kernel_order, to_swapped_kernel_order)
 from ..common.tile_scheduler import PersistentTileScheduler, StreamKTileScheduler, stream_k_fixup
+from .gemm_epilogue import GemmEpilogue
 
 
 # spec dtype string -> DSL type
@@ -82,7 +83,7 @@ _SMEM_RESERVED_BYTES = 1024  # mbarriers and alignment slack
 _MAX_AB_STAGES = 24
 
 
-class Sm90Gemm:
+class Sm90Gemm(GemmEpilogue):
     """One compiled variant: dtypes, majorness, epilogue and tile config are static.
 
     Two consumer schedules (``config.pingpong``):
@@ -434,24 +435,7 @@ class Sm90Gemm:
             alpha = alpha * mScaleA[0] * mScaleB[0]
         if cutlass.const_expr(not self.direct_store):
             # 16-bit out: registers -> stmatrix -> this group's smem ring -> TMA store
-            r2s_copy = cute.make_tiled_copy_S(
-                sm90_utils.get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, self.out_dtype, Float32),
-                cute.make_tiled_copy_C_atom(
-                    cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.out_dtype), tiled_mma),
-            )
-            thr_r2s = r2s_copy.get_slice(group_tidx)
-            tRS_sC = thr_r2s.partition_D(sC)
-            tRS_rAcc = r2s_copy.retile(acc)
-            subtile_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
-            tRS_rAcc_sub = cute.make_rmem_tensor(subtile_shape, Float32)
-            tRS_rC = cute.make_rmem_tensor(subtile_shape, self.out_dtype)
-            gC = cute.local_tile(mC_mnl, (tile_m, tile_n), (None, None, None))
-            store_pipeline = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile_threads),
-            )
-            epi_barrier = pipeline.NamedBarrier(barrier_id=1 + group, num_threads=self.tile_threads)
-            is_store_warp = group_tidx // 32 == 0
+            tma_store = self._tma_store_setup(tiled_mma, acc, sC, group, group_tidx)
 
         # the producer fills the ring tile by tile in schedule order and tile groups take
         # turns: each group skips the k-tiles of the other groups' tiles
@@ -514,37 +498,11 @@ class Sm90Gemm:
                 if cutlass.const_expr(self.direct_store):
                     self._store_direct(acc, tCcC, mC_mnl, row_start, col_start, batch_idx)
                 else:
-                    if cutlass.const_expr(self.shift_tails):
-                        tile_mn = cute.domain_offset((row_start, col_start), mC_mnl[None, None, batch_idx])
-                        gC_tile = cute.local_tile(tile_mn, (tile_m, tile_n), (0, 0))
-                    else:
-                        gC_tile = gC[(None, None, tile_m_idx, tile_n_idx, batch_idx)]
-                    gC_subtiles = cute.zipped_divide(gC_tile, self.epi_tile)
-                    tCsC_store, tCgC_store = cpasync.tma_partition(
-                        tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_subtiles,
-                    )
-                    subtile_grid = gC_subtiles.shape[1]
-                    subtile_order = cute.make_layout(subtile_grid, stride=(subtile_grid[1], 1))
-                    subtile_size = cute.size(tRS_rC)
-                    for subtile in cutlass.range_constexpr(cute.size(subtile_grid)):
-                        for v in cutlass.range_constexpr(subtile_size):
-                            tRS_rAcc_sub[v] = tRS_rAcc[subtile * subtile_size + v]
-                        tRS_rC.store(tRS_rAcc_sub.load().to(self.out_dtype))
-                        buffer = group * self.epi_stages + (subtiles_done + subtile) % self.epi_stages
-                        cute.copy(r2s_copy, tRS_rC, tRS_sC[(None, None, None, buffer)])
-                        # make the generic-proxy smem writes visible to the TMA unit
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        epi_barrier.arrive_and_wait()
-                        if is_store_warp:
-                            cute.copy(tma_atom_c, tCsC_store[(None, buffer)],
-                                      tCgC_store[(None, subtile_order.get_hier_coord(subtile))])
-                            store_pipeline.producer_commit()
-                            store_pipeline.producer_acquire()
-                        # the next write into the ring waits until its buffer's store has read it
-                        epi_barrier.arrive_and_wait()
-                    subtiles_done += cute.size(subtile_grid)
+                    subtiles_done = self._store_tma(tma_store, tma_atom_c, sC, mC_mnl, tile_m_idx, tile_n_idx,
+                                                    row_start, col_start, batch_idx, subtiles_done, group)
             work_idx += work_stride
         if cutlass.const_expr(not self.direct_store):
+            store_pipeline, is_store_warp = tma_store.store_pipeline, tma_store.is_store_warp
             if is_store_warp:
                 store_pipeline.producer_tail()
 
@@ -671,105 +629,6 @@ class Sm90Gemm:
             cute.gemm(mma_atom, acc, tCrA[(None, None, k_block, stage)], tCrB[(None, None, k_block, stage)], acc)
             mma_atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
-
-    @cute.jit
-    def _column_values(self, tCcC, mBias, mScaleB, col_start, mn_shape, batch_idx) -> tuple:
-        """This thread's per-column values of the tile (bias, rowwise scale_b): ({pair: (even
-        column's, odd column's)}, same for scale_b), each loaded once and issued before the main
-        loop so that their latency hides under it. The fragment's values are ((2 cols, 2 rows,
-        n/8 col groups), m, n): a pair of adjacent columns, the first even, is one 32-bit load
-        when both are inside N; columns past N read the last column's value (never stored).
-        Swapped operands leave the bias to :meth:`_row_bias`."""
-        last_col = mn_shape[1] - 1
-        bias, scale_b = {}, {}
-        for i in cutlass.range_constexpr(cute.size(tCcC)):
-            coord = cute.idx2crd(i, tCcC.shape)
-            pair = (coord[0][2], coord[2])
-            if cutlass.const_expr(coord[0][0] == 0 and coord[0][1] == 0 and coord[1] == 0):
-                col = col_start + tCcC[i][1]  # even
-                if cutlass.const_expr(self.has_bias and not self.swap_ab):
-                    bias[pair] = self._load_pair(mBias, col, last_col)
-                if cutlass.const_expr(self.scale_mode == "row"):
-                    scale_b[pair] = (mScaleB[0, cutlass.min(col, last_col), batch_idx],
-                                     mScaleB[0, cutlass.min(col + 1, last_col), batch_idx])
-        return bias, scale_b
-
-    @cute.jit
-    def _row_bias(self, tCcC, mBias, row_start, mn_shape) -> dict:
-        """Swapped operands: this thread's bias values, one per row of the tile (the fragment's
-        rows vary with its 2-row and m modes), loaded once ahead of the main loop and converted
-        only in the epilogue. Rows past M read the last row's value (never stored)."""
-        last_row = mn_shape[0] - 1
-        bias = {}
-        if cutlass.const_expr(self.has_bias):
-            for i in cutlass.range_constexpr(cute.size(tCcC)):
-                coord = cute.idx2crd(i, tCcC.shape)
-                if cutlass.const_expr(coord[0][0] == 0 and coord[0][2] == 0 and coord[2] == 0):
-                    bias[(coord[0][1], coord[1])] = mBias[cutlass.min(row_start + tCcC[i][0], last_row)]
-        return bias
-
-    @cute.jit
-    def _load_pair(self, mBias, col, last_col):
-        """Bias columns ``col`` (even) and ``col + 1``. A 16-bit bias with an even N (every
-        output whose rows TMA stores) loads them as one 32-bit word, past N the last pair, split
-        only in the epilogue (:meth:`_bias_pair`): splitting here would wait for the load ahead
-        of the main loop. An fp32 bias, or an odd N (a single-row output, its own variant),
-        loads the clamped columns one by one."""
-        if cutlass.const_expr(self.odd_n or self.bias_dtype.width != 16):
-            return mBias[cutlass.min(col, last_col)], mBias[cutlass.min(col + 1, last_col)]
-        words = cute.make_tensor(cute.recast_ptr(mBias.iterator, dtype=Int32), cute.make_layout(mBias.shape[0] // 2))
-        return words[cutlass.min(col, last_col) // 2]
-
-    @cute.jit
-    def _bias_pair(self, loaded) -> tuple:
-        """The two fp32 bias values of a :meth:`_load_pair` result."""
-        if cutlass.const_expr(self.odd_n or self.bias_dtype.width != 16):
-            return Float32(loaded[0]), Float32(loaded[1])
-        # little-endian: the even column is the low half. Integer ops, not a 2 x 16-bit view:
-        # ptxas would split such a view right after the load, ahead of the main loop
-        if cutlass.const_expr(self.bias_dtype == cutlass.BFloat16):  # bf16 is fp32's upper half
-            return (loaded << 16).bitcast(Float32), (loaded & Int32(-65536)).bitcast(Float32)
-        low, high = cutlass.Int16(loaded & Int32(0xFFFF)), cutlass.Int16(loaded >> 16)
-        return Float32(low.bitcast(self.bias_dtype)), Float32(high.bitcast(self.bias_dtype))
-
-    @cute.jit
-    def _scale_add_bias(self, acc, alpha, tCcC, column_values, mScaleA, row_start, mn_shape, batch_idx):
-        """acc = alpha * acc (* scale_a[row] * scale_b[col] for rowwise scales) (+ bias), the
-        per-column values from :meth:`_column_values`. Rows past M read the last row's values:
-        those outputs are never stored."""
-        last_row = mn_shape[0] - 1
-        loaded_bias, scale_b = column_values
-        if cutlass.const_expr(self.swap_ab):  # one value per row
-            bias = {row: Float32(loaded) for row, loaded in loaded_bias.items()}
-        else:
-            bias = {pair: self._bias_pair(loaded) for pair, loaded in loaded_bias.items()}
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            coord = cute.idx2crd(i, acc.shape)
-            pair, odd = (coord[0][2], coord[2]), coord[0][0]
-            scale = alpha
-            if cutlass.const_expr(self.scale_mode == "row"):
-                row = cutlass.min(row_start + tCcC[i][0], last_row)
-                scale = alpha * mScaleA[row, 0, batch_idx] * scale_b[pair][odd]
-            if cutlass.const_expr(self.has_bias and self.swap_ab):
-                acc[i] = acc[i] * scale + bias[(coord[0][1], coord[1])]
-            elif cutlass.const_expr(self.has_bias):
-                acc[i] = acc[i] * scale + bias[pair][odd]
-            else:
-                acc[i] = acc[i] * scale
-
-    @cute.jit
-    def _store_direct(self, acc, tCcC, mC_mnl, row_start, col_start, batch_idx):
-        """fp32 (or swapped 16-bit) out: each thread stores its accumulator values, predicated
-        on the M/N tails."""
-        num_rows, num_cols = mC_mnl.shape[0], mC_mnl.shape[1]
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            row = row_start + tCcC[i][0]
-            col = col_start + tCcC[i][1]
-            if row < num_rows and col < num_cols:
-                if cutlass.const_expr(self.out_dtype.width == 32):
-                    mC_mnl[row, col, batch_idx] = acc[i]
-                else:
-                    mC_mnl[row, col, batch_idx] = acc[i].to(self.out_dtype)
 
 
 def _advance_state(state, steps):
