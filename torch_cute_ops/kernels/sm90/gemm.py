@@ -130,8 +130,9 @@ class Sm90Gemm(GemmEpilogue):
         self.stream_k = config.stream_k  # the last waves split along K (StreamKTileScheduler)
         # the last tile row (column) moves back to end at row M (column N), see _tile_start; not
         # under stream-K, whose split tiles would store the outputs both tiles compute with other
-        # roundings, nor with blockwise scales, read per 128-column block of B
-        self.shift_tails = not config.stream_k and scale_mode != "block"
+        # roundings, and for columns not with blockwise scales, read per 128-column block of B
+        self.shift_rows = not config.stream_k
+        self.shift_cols = not config.stream_k and scale_mode != "block"
         self.tile_shape_mnk = (config.tile_m, config.tile_n, TILE_K_BYTES * 8 // ab_dtype.width)
         self.cluster_shape_mn = config.cluster_mn
         self.pingpong = config.pingpong
@@ -352,13 +353,15 @@ class Sm90Gemm(GemmEpilogue):
         work_idx, num_work_units, work_stride = self._work_walk(sched)
         while work_idx < num_work_units:
             tile_m_idx, tile_n_idx, batch_idx, k_begin, k_count, _ = self._work_tile(sched, work_idx, num_k_tiles)
-            if cutlass.const_expr(self.shift_tails):
+            if cutlass.const_expr(self.shift_rows):
                 tAgA_tile = self._k_tiles(tma_atom_a, cluster_coord_mnk[1], a_cta_layout, sA, mA_mkl, tile_m_idx,
-                                          batch_idx, self.tile_shape_mnk[0])
-                tBgB_tile = self._k_tiles(tma_atom_b, cluster_coord_mnk[0], b_cta_layout, sB, mB_nkl, tile_n_idx,
-                                          batch_idx, self.tile_shape_mnk[1])
+                                          batch_idx, self.tile_shape_mnk[0], True)
             else:
                 tAgA_tile = tAgA[(None, tile_m_idx, None, batch_idx)]
+            if cutlass.const_expr(self.shift_cols):
+                tBgB_tile = self._k_tiles(tma_atom_b, cluster_coord_mnk[0], b_cta_layout, sB, mB_nkl, tile_n_idx,
+                                          batch_idx, self.tile_shape_mnk[1], False)
+            else:
                 tBgB_tile = tBgB[(None, tile_n_idx, None, batch_idx)]
             for k_tile in cutlass.range(k_count, unroll=1):
                 k_idx = k_tile if cutlass.const_expr(not self.stream_k) else k_begin + k_tile
@@ -392,22 +395,23 @@ class Sm90Gemm(GemmEpilogue):
             return work.tile_m_idx, work.tile_n_idx, work.batch_idx, work.k_begin, work.k_end - work.k_begin, work
         return (*sched.tile_coord(work_idx), 0, num_k_tiles, None)
 
-    def _tile_start(self, tile_idx, extent, tile):
+    def _tile_start(self, tile_idx, extent, tile, rows: bool):
         """The first row (column) of a tile of ``tile`` rows (columns) of an ``extent``-long
         dimension. A tile over the tail, or wholly past it (the second CTA of a 2 x 1 cluster over
         an odd number of tile rows), moves back to end at the extent where it holds a whole tile:
         the TMA fills elements past the end with zeros at a fraction of its load rate (H200, 192
         x 64 tiles, N = K = 4096: 54 us at M = 193, 28 us at M = 384), while the outputs the tile
-        shares with the one before are computed in the same order and stored again unchanged."""
+        shares with the one before are computed in the same order and stored again unchanged.
+        ``rows``: a row (else a column) of tiles, moved where ``shift_rows`` (``shift_cols``)."""
         start = tile_idx * tile
-        if cutlass.const_expr(self.shift_tails):  # (below one tile: the first tile, unmoved)
+        if cutlass.const_expr(self.shift_rows if rows else self.shift_cols):  # (below one tile: unmoved)
             start = cutlass.min(start, cutlass.max(extent - tile, 0))
         return start
 
     @cute.jit
-    def _k_tiles(self, tma_atom, cta_coord, cta_layout, sX, mX, tile_idx, batch_idx, tile):
+    def _k_tiles(self, tma_atom, cta_coord, cta_layout, sX, mX, tile_idx, batch_idx, tile, is_a: bool):
         """(TMA values, k-tile) gmem view of an A (B) tile from its (moved) first row (column)."""
-        rows = cute.domain_offset((self._tile_start(tile_idx, mX.shape[0], tile), 0), mX[None, None, batch_idx])
+        rows = cute.domain_offset((self._tile_start(tile_idx, mX.shape[0], tile, is_a), 0), mX[None, None, batch_idx])
         gX = cute.local_tile(rows, (tile, self.tile_shape_mnk[2]), (0, None))
         _, tXgX = cpasync.tma_partition(tma_atom, cta_coord, cta_layout, cute.group_modes(sX, 0, 2),
                                         cute.group_modes(gX, 0, 2))
@@ -459,8 +463,8 @@ class Sm90Gemm(GemmEpilogue):
         work_idx, num_work_units, work_stride = self._work_walk(sched, group)
         while work_idx < num_work_units:
             tile_m_idx, tile_n_idx, batch_idx, k_begin, k_count, work = self._work_tile(sched, work_idx, num_k_tiles)
-            row_start = self._tile_start(tile_m_idx, mC_mnl.shape[0], tile_m)
-            col_start = self._tile_start(tile_n_idx, mC_mnl.shape[1], tile_n)
+            row_start = self._tile_start(tile_m_idx, mC_mnl.shape[0], tile_m, True)
+            col_start = self._tile_start(tile_n_idx, mC_mnl.shape[1], tile_n, False)
             column_values = self._column_values(tCcC, mBias, mScaleB, col_start, mC_mnl.shape, batch_idx)
             if cutlass.const_expr(self.swap_ab):  # the bias runs along the rows, scale_b (a's) along the columns
                 column_values = (self._row_bias(tCcC, mBias, row_start, mC_mnl.shape), column_values[1])
@@ -470,7 +474,7 @@ class Sm90Gemm(GemmEpilogue):
             if cutlass.const_expr(self.scale_mode == "block"):
                 read_state = self._mainloop_block_scaled(
                     ab_pipeline, tiled_mma, acc, acc_k_tiles, tCrA, tCrB, read_state, k_count, mScaleA, mScaleB,
-                    tCcC, tile_m_idx * tile_m, tile_n_idx * tile_n, mC_mnl.shape, batch_idx, k_begin)
+                    tCcC, row_start, col_start, mC_mnl.shape, batch_idx, k_begin)
                 release_state = read_state.clone()
             else:
                 read_state, release_state = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, read_state,

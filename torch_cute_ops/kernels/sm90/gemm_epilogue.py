@@ -63,7 +63,7 @@ class GemmEpilogue:
         ring's running subtile count."""
         r2s_copy, tRS_sC, tRS_rAcc, tRS_rAcc_sub, tRS_rC, store_pipeline, epi_barrier, is_store_warp = tma_store
         tile_m, tile_n, _ = self.tile_shape_mnk
-        if cutlass.const_expr(self.shift_tails):
+        if cutlass.const_expr(self.shift_rows or self.shift_cols):
             tile_mn = cute.domain_offset((row_start, col_start), mC_mnl[None, None, batch_idx])
             gC_tile = cute.local_tile(tile_mn, (tile_m, tile_n), (0, 0))
         else:
