@@ -1,13 +1,9 @@
 """The sm90 GEMM's epilogue: alpha, rowwise scales, bias and activation on the fp32 accumulator
-fragment, and the three ways out of the registers (a mixin of :class:`.gemm.Sm90Gemm`):
+fragment, and the two ways out of the registers (a mixin of :class:`.gemm.Sm90Gemm`):
 
 * TMA stores (16-bit out): ``stmatrix`` into a small smem ring of ``64k x 32`` subtiles and
   TMA stores from there, the M/N tails clipped by the TMA unit;
-* direct stores (fp32 out, swapped operands): each thread stores its values, predicated;
-* parked stores (16-bit out of cooperative tiles): the tile is converted in registers and
-  parked there, and its values are stored from registers while the next tile's first
-  k-tiles run (:meth:`GemmEpilogue._store_parked_chunk`), so that the tensor cores do not
-  wait for the stores (nor for the activation, applied to the parked values).
+* direct stores (fp32 out, swapped operands): each thread stores its values, predicated.
 """
 
 from typing import Any, NamedTuple
