@@ -125,6 +125,10 @@ class FlashBwdSm90:
         self.dv_after_ds = self.swap_sdp and tile_m == 128
         # dK, dV tile (tile_n, head_dim) split over the two MMA warpgroups
         self.dkv_atoms = (2, 1) if self.swap_sdp else (1, 2)
+        # One Q / dO stage (head dim 256): the next block's loads wait for this block's last
+        # GEMM on them, so dK goes before dQ and the loads run under dQ's GEMM and its store.
+        # With two stages dQ goes first and its store runs under dK's GEMM instead.
+        self.dq_last = num_stages == 1
         self.pds_stages = self._pds_stages()
 
     def _pds_stages(self) -> int:
@@ -579,15 +583,23 @@ class FlashBwdSm90:
                 warpgroup_gemm(mma_dkv, acc_dV, tdVrPt[None, None, None, pds_idx],
                                tdVrdOt[None, None, None, do_idx], False)
             # dQ = dS K, dK += dS^T Q
-            warpgroup_gemm(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, True)
+            if const_expr(not self.dq_last):
+                warpgroup_gemm(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, True)
             if const_expr(swap):
                 warpgroup_gemm(mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, a_regs),
                                tdKrQt[None, None, None, q_idx], False)
             else:
                 warpgroup_gemm(mma_dkv, acc_dK, tdKrdSt[None, None, None, pds_idx],
                                tdKrQt[None, None, None, q_idx], False)
-            warpgroup.wait_group(1)  # dV and dQ done, dK still running
-            pipe_do.consumer_release(state_do)
+            if const_expr(self.dq_last):
+                warpgroup_gemm(mma_dq, acc_dQ, tdQrdS[None, None, None, pds_idx], tdQrKt, True)
+                warpgroup.wait_group(1)  # dV and dK done: the single Q and dO stages are free
+                pipe_do.consumer_release(state_do)
+                pipe_q.consumer_release(state_q)
+                warpgroup.wait_group(0)
+            else:
+                warpgroup.wait_group(1)  # dV and dQ done, dK still running
+                pipe_do.consumer_release(state_do)
             state_do.advance()
             # dQ -> smem, for the writer warp's reduce-add (the postprocess applies the softmax
             # scale once, not once per key block)
@@ -596,8 +608,9 @@ class FlashBwdSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg_idx,
                                      number_of_threads=_DQ_BAR_THREADS)
-            warpgroup.wait_group(0)
-            pipe_q.consumer_release(state_q)
+            if const_expr(not self.dq_last):
+                warpgroup.wait_group(0)
+                pipe_q.consumer_release(state_q)
             state_q.advance()
             head, m_block = _next_query_block(head, m_block, m_block_min, m_block_max)
 
