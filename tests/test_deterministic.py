@@ -71,16 +71,18 @@ def test_flag_is_keyword_only_in_the_schemas():
         assert arg.kwarg_only and arg.default_value is False, op
 
 
-@pytest.mark.parametrize("head_dim,ordered", [(64, False), (128, False), (256, True)])
-def test_d256_backward_orders_its_dq_adds_by_default(monkeypatch, head_dim, ordered):
-    """At D256 the ordered variant measured faster than the unordered one (bench/NOTES.md,
-    session 11), so the default plan picks it there, and only there; asked for, every head dim
-    gets it."""
+@pytest.mark.parametrize("head_dim,causal,ordered", [(64, True, False), (128, True, False), (256, True, True),
+                                                    (256, False, False)])
+def test_d256_backward_orders_its_dq_adds_by_default(monkeypatch, head_dim, causal, ordered):
+    """At D256 the ordered variant measured faster than the unordered one where the key blocks
+    see different query ranges (bench/NOTES.md, sessions 11 and 26), so the default plan picks it
+    there, and only there: a full backward runs unordered, each key block starting its walk at a
+    different query block. Asked for, every head dim and mask gets it."""
     from torch_cute_ops.runtime import attention as host
 
     monkeypatch.setattr(host, "get_compiled", lambda spec: spec)
     monkeypatch.setattr(host, "_unused_counter", lambda index: torch.empty(1, dtype=torch.int32))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     q = torch.randn(1, 64, 2, head_dim).bfloat16()
-    assert host.plan_bwd(q, q, q, True).deterministic == ordered
-    assert host.plan_bwd(q, q, q, True, deterministic=True).deterministic
+    assert host.plan_bwd(q, q, q, causal).deterministic == ordered
+    assert host.plan_bwd(q, q, q, causal, deterministic=True).deterministic

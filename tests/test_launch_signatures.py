@@ -80,6 +80,7 @@ def test_backward_launches(launches, head_dim, deterministic):
     grads = [torch.empty_like(t) for t in (q, k, v)]
     lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
     flash_host.plan_bwd(q, k, v, True, deterministic=deterministic)(q, q, k, v, q, lse, *grads, 0.1)
+    flash_host.plan_bwd(q, k, v, False, deterministic=deterministic)(q, q, k, v, q, lse, *grads, 0.1)
     flash_host.plan_bwd(q, k, v, False, local=True, softcap=True, deterministic=deterministic)(
         q, q, k, v, q, lse, *grads, 0.1, 100, 0, 30.0)
     key_start, key_end = torch.tensor([0, 7], dtype=torch.int32), torch.tensor([300, 250], dtype=torch.int32)
@@ -93,9 +94,10 @@ def test_backward_launches(launches, head_dim, deterministic):
     flash_host.plan_bwd(*packed, True, rows="packed", deterministic=deterministic).packed(
         packed[0], *packed, packed[0], lse.transpose(0, 1).flatten(1), cu, cu, 500, 500,
         *[torch.empty_like(t) for t in packed], 0.1)
-    assert len(launches) == 5
-    ordered = deterministic or head_dim in flash_host.ORDERED_DQ_HEAD_DIMS  # D256: ordered by default
-    for spec, args in launches:
+    assert len(launches) == 6
+    for spec, args in launches:  # D256: ordered by default where the key blocks' ranges differ
+        ordered = deterministic or (head_dim in flash_host.ORDERED_DQ_HEAD_DIMS
+                                    and (spec["causal"] or spec["local"] or spec["attn_mask"] != "none"))
         assert spec.get("deterministic", False) == ordered
         _check_agreement(spec, args)
 

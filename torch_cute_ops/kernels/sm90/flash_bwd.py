@@ -38,7 +38,11 @@ and released at GPU scope). Their grid runs the key blocks backwards (CTA x take
 N - 1 - x): a CTA only waits on CTAs launched before it, so the waits always end, and under a
 causal mask a key block reaches each query block after the higher blocks (which start on the
 diagonal, later in the sequence) have added theirs: in key order, the first key block would
-hold every other one back by its whole loop.
+hold every other one back by its whole loop. (So the ordered walk cannot rotate: a rotated
+turn would wait on key blocks launched later.) Unordered and without a causal mask, a window
+or an attn_mask, key block n starts its walk at query block n mod M (``rotate``): all of a
+head's key blocks visit the same query blocks, and walked in step their adds would pile into
+one dQ tile at a time.
 Extra memory: delta and lse * log2(e) (2 x B*H*S_q fp32, padded) and the dQ accumulator
 (B*S_q*H*D fp32, S_q padded to whole query blocks; zeroed by the preprocess).
 """
@@ -129,6 +133,11 @@ class FlashBwdSm90:
         # GEMM on them, so dK goes before dQ and the loads run under dQ's GEMM and its store.
         # With two stages dQ goes first and its store runs under dK's GEMM instead.
         self.dq_last = num_stages == 1
+        # Every key block of a full, unordered backward visits the same query blocks: walked in
+        # step, all of a head's CTAs would reduce-add into one dQ tile at a time. Each starts its
+        # walk at its own query block instead (key block n at n mod M), so their adds go to
+        # different tiles. Ordered adds keep the plain walk: their turns follow the launch order.
+        self.rotate = not (causal or local or self.masked or deterministic) and rows == "dense"
         self.pds_stages = self._pds_stages()
 
     def _pds_stages(self) -> int:
@@ -359,6 +368,12 @@ class FlashBwdSm90:
                               m_block_min, m_block_max, bounds, window_left, window_right,
                               (mMask, mMaskBlocks, inv_scale))
 
+    def _first_query_block(self, n_block: Int32, m_block_min: Int32, m_block_max: Int32) -> Int32:
+        """Where this key block's walk over each head's query blocks starts (see ``rotate``)."""
+        if const_expr(self.rotate):
+            return m_block_min + n_block % cutlass.max(m_block_max - m_block_min, 1)
+        return m_block_min
+
     def _block_has_keys(self, n_block, bounds: SeqBounds):
         if const_expr(self.ragged):
             return n_block * self.tile_n < bounds.seqlen_k
@@ -389,15 +404,18 @@ class FlashBwdSm90:
 
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        m_first = self._first_query_block(n_block, m_block_min, m_block_max)
         for g in cutlass.range(group, unroll=1):
             head = kv_head * group + g
             q_views = self._stream_views(tma_q, m_q, smem["sQ"], smem["sLSE"], head, batch, bounds)
             do_views = self._stream_views(tma_do, m_do, smem["sdO"], smem["sDelta"], head, batch, bounds)
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+            m_block = m_first
+            for _ in cutlass.range(m_block_max - m_block_min, unroll=1):
                 self._load_stage(tma_q, q_views, pipe_q, state_q, m_block)
                 state_q.advance()
                 self._load_stage(tma_do, do_views, pipe_do, state_do, m_block)
                 state_do.advance()
+                m_block = _next_query_block(head, m_block, m_first, m_block_min, m_block_max)[1]
 
     @cute.jit
     def _stream_views(self, atoms, tensors, sX, sStat, head, batch, bounds: SeqBounds):
@@ -526,7 +544,8 @@ class FlashBwdSm90:
         # waited for inside its iteration: a WGMMA left in flight across the loop's back edge
         # (issuing the next S early) makes ptxas serialize all of them (C7515), -20% at 16k.
         num_m = m_block_max - m_block_min
-        head, m_block = kv_head * group, m_block_min
+        m_first = self._first_query_block(n_block, m_block_min, m_block_max)
+        head, m_block = kv_head * group, m_first
         for _ in cutlass.range(group * num_m, unroll=1):
             q_idx, do_idx = state_q.index, state_do.index
             pds_idx = q_idx if const_expr(self.pds_stages == self.num_stages) else 0
@@ -612,7 +631,7 @@ class FlashBwdSm90:
                 warpgroup.wait_group(0)
                 pipe_q.consumer_release(state_q)
             state_q.advance()
-            head, m_block = _next_query_block(head, m_block, m_block_min, m_block_max)
+            head, m_block = _next_query_block(head, m_block, m_first, m_block_min, m_block_max)
 
         # the postprocess may launch now: it waits for this whole grid before reading dQ
         cute.arch.griddepcontrol_launch_dependents()
@@ -681,7 +700,8 @@ class FlashBwdSm90:
         if num_blocks > 0:  # (no arrival left pending at exit)
             cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
                                      number_of_threads=_DQ_BAR_THREADS)
-        head, m_block = kv_head * group, m_block_min
+        m_first = self._first_query_block(n_block, m_block_min, m_block_max)
+        head, m_block = kv_head * group, m_first
         for block in cutlass.range(num_blocks, unroll=1):
             row0, entry = bounds.padded_index(m_block * self.tile_m, batch)
             tile_idx = (entry, head, row0 // self.tile_m, wg)
@@ -708,7 +728,7 @@ class FlashBwdSm90:
             if block + 1 < num_blocks:
                 cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
                                          number_of_threads=_DQ_BAR_THREADS)
-            head, m_block = _next_query_block(head, m_block, m_block_min, m_block_max)
+            head, m_block = _next_query_block(head, m_block, m_first, m_block_min, m_block_max)
         if cute.arch.lane_idx() == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -764,12 +784,14 @@ class FlashBwdSm90:
 
 
 @cute.jit
-def _next_query_block(head: Int32, m_block: Int32, m_block_min: Int32, m_block_max: Int32) -> tuple:
+def _next_query_block(head: Int32, m_block: Int32, m_first: Int32, m_block_min: Int32, m_block_max: Int32) -> tuple:
     """The (query head, query block) after this one in a key block's walk over its GQA group:
-    blocks [m_block_min, m_block_max) of each head in turn. Stepped, not divided out of a flat
-    index: a runtime integer division costs ~20 instructions per iteration."""
+    blocks [m_block_min, m_block_max) of each head in turn, from ``m_first`` round to the block
+    before it. Stepped, not divided out of a flat index: a runtime integer division costs ~20
+    instructions per iteration."""
     wrap = m_block + 1 == m_block_max
-    return head + cutlass.select_(wrap, 1, 0), cutlass.select_(wrap, m_block_min, m_block + 1)
+    m_next = cutlass.select_(wrap, m_block_min, m_block + 1)
+    return head + cutlass.select_(m_next == m_first, 1, 0), m_next
 
 
 # -------------------------------------------------------------------- family / host API
