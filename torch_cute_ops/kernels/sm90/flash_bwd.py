@@ -710,24 +710,26 @@ class FlashBwdSm90:
             if const_expr(self.deterministic):  # worked out while the warpgroup computes the tile
                 turn = self._dq_turn(n_block, m_block, kv_head, batch, bounds, window_left, window_right,
                                      mDqTurns)
+            count = mDqOrder.iterator + cute.crd2idx(tile_idx, mDqOrder.layout)  # (deterministic)
             cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_DQ_BAR_THREADS)
             if cute.arch.lane_idx() == 0:
                 if const_expr(self.deterministic):
-                    count = mDqOrder.iterator + cute.crd2idx(tile_idx, mDqOrder.layout)
                     wait_for_value(count, turn)
                     cute.arch.fence_proxy("async.global")
                 bulk_reduce_add_f32(dst, src, self.dq_chunk * Float32.width // 8)
                 cute.arch.cp_async_bulk_commit_group()
-                if const_expr(self.deterministic):
+                if const_expr(self.deterministic) or block + 1 < num_blocks:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            # the smem tile is read: the warpgroup may refill it while the add completes
+            if block + 1 < num_blocks:
+                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
+                                         number_of_threads=_DQ_BAR_THREADS)
+            if const_expr(self.deterministic):
+                if cute.arch.lane_idx() == 0:
                     # the add must be performed before the next key block's may start
                     cute.arch.cp_async_bulk_wait_group(0)
                     cute.arch.fence_proxy("async.global")
                     cute.arch.red(count, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
-                elif block + 1 < num_blocks:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if block + 1 < num_blocks:
-                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
-                                         number_of_threads=_DQ_BAR_THREADS)
             head, m_block = _next_query_block(head, m_block, m_first, m_block_min, m_block_max)
         if cute.arch.lane_idx() == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
