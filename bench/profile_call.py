@@ -3,7 +3,7 @@
     ncu --clock-control none --nvtx --nvtx-include target/ [sections] \\
         python bench/profile_call.py CASE [--size N] [--causal]
 
-CASE: ``gemm`` (``tco.gemm``, bf16 N x N x N), ``scaled_mm_tensor`` / ``scaled_mm_row`` /
+CASE: ``gemm`` (``tco.gemm``, bf16 N x N x N), ``gemm_bias_gelu`` (the same with a bias and gelu_tanh fused), ``scaled_mm_tensor`` / ``scaled_mm_row`` /
 ``scaled_mm_block`` (``tco.scaled_mm``, e4m3, the three scale modes), ``attn_fwd`` (``tco.flash_attn_func``)
 and ``attn_bwd`` (``torch.ops.cute.flash_attn_bwd`` called directly: a backward reached through autograd
 runs on autograd's device thread, outside a range opened here). Attention shapes: B16 S``--size``
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CASES = ("gemm", "scaled_mm_tensor", "scaled_mm_row", "scaled_mm_block", "attn_fwd", "attn_bwd", "decode",
+CASES = ("gemm", "gemm_bias_gelu", "scaled_mm_tensor", "scaled_mm_row", "scaled_mm_block", "attn_fwd", "attn_bwd", "decode",
          "decode_torch")
 
 
@@ -32,8 +32,11 @@ def make_call(case: str, size: int, head_dim: int, causal: bool, batch: int = 1)
     from torch_cute_ops import fp8
 
     dev, bf = "cuda", torch.bfloat16
-    if case == "gemm":
+    if case.startswith("gemm"):
         a, b = torch.randn(size, size, device=dev, dtype=bf), torch.randn(size, size, device=dev, dtype=bf)
+        if case == "gemm_bias_gelu":
+            bias = torch.randn(size, device=dev, dtype=bf)
+            return lambda: tco.gemm(a, b, bias=bias, activation="gelu_tanh")
         return lambda: tco.gemm(a, b)
     if case.startswith("scaled_mm_"):
         quantize = {"tensor": fp8.quantize_tensorwise, "row": fp8.quantize_rowwise,
