@@ -164,8 +164,9 @@ STAT_PAD = 128  # lse and delta rows are padded to whole query blocks for their 
 
 # Head dims whose backward adds dQ in key-block order even when not asked to, where the key blocks
 # see different query ranges (causal, windows, masks): at D256 the ordered adds ran faster there
-# than the free-for-all ones (bench/NOTES.md, sessions 11 and 26), and are reproducible. A full
-# backward's key blocks each start their walk at a different query block instead, unordered.
+# than the free-for-all ones (bench/NOTES.md, session 11; level since session 26's stage change),
+# and they are reproducible. A full backward's key blocks each start their walk at a different
+# query block instead, unordered (faster there, session 26).
 ORDERED_DQ_HEAD_DIMS = (256,)
 
 
