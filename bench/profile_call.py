@@ -3,8 +3,9 @@
     ncu --clock-control none --nvtx --nvtx-include target/ [sections] \\
         python bench/profile_call.py CASE [--size N] [--causal]
 
-CASE: ``gemm`` (``tco.gemm``, bf16 N x N x N), ``gemm_bias_gelu`` (the same with a bias and gelu_tanh fused), ``scaled_mm_tensor`` / ``scaled_mm_row`` /
-``scaled_mm_block`` (``tco.scaled_mm``, e4m3, the three scale modes), ``attn_fwd`` (``tco.flash_attn_func``)
+CASE: ``gemm`` (``tco.gemm``, bf16 N x N x N), ``gemm_bias_gelu`` (the same with a bias and gelu_tanh
+fused), ``scaled_mm_tensor`` / ``scaled_mm_row`` / ``scaled_mm_block`` (``tco.scaled_mm``, e4m3, the
+three scale modes), ``attn_fwd`` (``tco.flash_attn_func``)
 and ``attn_bwd`` (``torch.ops.cute.flash_attn_bwd`` called directly: a backward reached through autograd
 runs on autograd's device thread, outside a range opened here). Attention shapes: B16 S``--size``
 H16 D``--head-dim``. ``decode`` (``tco.flash_attn_with_kvcache``) and, to set beside it, ``decode_torch``
@@ -22,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CASES = ("gemm", "gemm_bias_gelu", "scaled_mm_tensor", "scaled_mm_row", "scaled_mm_block", "attn_fwd", "attn_bwd", "decode",
-         "decode_torch")
+CASES = ("gemm", "gemm_bias_gelu", "scaled_mm_tensor", "scaled_mm_row", "scaled_mm_block", "attn_fwd", "attn_bwd",
+         "decode", "decode_torch")
 
 
 def make_call(case: str, size: int, head_dim: int, causal: bool, batch: int = 1):
