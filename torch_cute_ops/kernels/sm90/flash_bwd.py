@@ -29,20 +29,8 @@ One compiled function runs three kernels on the current stream:
    shared-memory tile, whose rows leave in 16-byte vectors.
 
 Determinism: dK and dV are deterministic (a CTA owns its key block and loops over the
-query heads of its kv head in a fixed order, so GQA needs no atomics). dQ is summed by
-bulk reduce-adds from the CTAs of different key blocks, whose order is not fixed: dQ is
-not bitwise reproducible run to run (fp32 sums, then rounded to bf16/fp16). The
-``deterministic`` variants fix the order: a writer adds its tile only once every higher key
-block that visits the tile has added its own (an int32 count per accumulator tile, acquired
-and released at GPU scope). Their grid runs the key blocks backwards (CTA x takes key block
-N - 1 - x): a CTA only waits on CTAs launched before it, so the waits always end, and under a
-causal mask a key block reaches each query block after the higher blocks (which start on the
-diagonal, later in the sequence) have added theirs: in key order, the first key block would
-hold every other one back by its whole loop. (So the ordered walk cannot rotate: a rotated
-turn would wait on key blocks launched later.) Unordered and without a causal mask, a window
-or an attn_mask, key block n starts its walk at query block n mod M (``rotate``): all of a
-head's key blocks visit the same query blocks, and walked in step their adds would pile into
-one dQ tile at a time.
+query heads of its kv head in a fixed order, so GQA needs no atomics); dQ's adds, their order
+and the query-block walk are in flash_bwd_dq.py.
 Extra memory: delta and lse * log2(e) (2 x B*H*S_q fp32, padded) and the dQ accumulator
 (B*S_q*H*D fp32, S_q padded to whole query blocks; zeroed by the preprocess).
 """
@@ -59,15 +47,15 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ...runtime.attention import STAT_PAD as _STAT_PAD
 from ...runtime.spec import KernelSpec
-from ..common.bulk import bulk_reduce_add_f32, wait_for_value
 from ..common.flash_common import (
     LOG2_E, acc_as_rows_cols, convert_to_16bit, swizzled_smem_layout, tiled_wgmma, transposed_view, warpgroup_gemm,
 )
 from ..common.mask import (
-    BLOCK_FULL, apply_attn_mask, apply_softcap, key_blocks_reaching, mask_scores, query_block_range,
+    BLOCK_FULL, apply_attn_mask, apply_softcap, mask_scores, query_block_range,
 )
 from ..common.mask_args import mask_fakes
 from ..common.seqlen import SeqBounds, seq_major, store_rows
+from .flash_bwd_dq import DqAccumulation, hand_dq_to_writer, next_query_block
 from .flash_bwd_rows import FlashBwdRowKernels, accumulator_order
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -80,10 +68,6 @@ _PRODUCER_REGS = 24
 _MMA_REGS = 240
 # named barriers (0 is __syncthreads)
 _BAR_MMA = 1  # both MMA warpgroups: P/dS ready, P/dS free, epilogue
-# + MMA warpgroup index; the warpgroup and its dQ writer warp (128 + 32 threads)
-_BAR_DQ_FULL = 2  # the warpgroup's dQ tile is in smem
-_BAR_DQ_EMPTY = 4  # the writer's reduce-add has finished reading it
-_DQ_BAR_THREADS = 128 + 32
 
 
 @cute.jit
@@ -93,7 +77,7 @@ def _to_dtype(acc: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
     return frag
 
 
-class FlashBwdSm90:
+class FlashBwdSm90(DqAccumulation):
     """The three kernels and their host function for one (dtype, head_dim, causal)."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int,
@@ -368,12 +352,6 @@ class FlashBwdSm90:
                               m_block_min, m_block_max, bounds, window_left, window_right,
                               (mMask, mMaskBlocks, inv_scale))
 
-    def _first_query_block(self, n_block: Int32, m_block_min: Int32, m_block_max: Int32) -> Int32:
-        """Where this key block's walk over each head's query blocks starts (see ``rotate``)."""
-        if const_expr(self.rotate):
-            return m_block_min + n_block % cutlass.max(m_block_max - m_block_min, 1)
-        return m_block_min
-
     def _block_has_keys(self, n_block, bounds: SeqBounds):
         if const_expr(self.ragged):
             return n_block * self.tile_n < bounds.seqlen_k
@@ -415,7 +393,7 @@ class FlashBwdSm90:
                 state_q.advance()
                 self._load_stage(tma_do, do_views, pipe_do, state_do, m_block)
                 state_do.advance()
-                m_block = _next_query_block(head, m_block, m_first, m_block_min, m_block_max)[1]
+                m_block = next_query_block(head, m_block, m_first, m_block_min, m_block_max)[1]
 
     @cute.jit
     def _stream_views(self, atoms, tensors, sX, sStat, head, batch, bounds: SeqBounds):
@@ -622,16 +600,12 @@ class FlashBwdSm90:
             state_do.advance()
             # dQ -> smem, for the writer warp's reduce-add (the postprocess applies the softmax
             # scale once, not once per key block)
-            cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg_idx, number_of_threads=_DQ_BAR_THREADS)
-            cute.autovec_copy(tdQrdQ, tdQsdQ)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg_idx,
-                                     number_of_threads=_DQ_BAR_THREADS)
+            hand_dq_to_writer(tdQrdQ, tdQsdQ, wg_idx)
             if const_expr(not self.dq_last):
                 warpgroup.wait_group(0)
                 pipe_q.consumer_release(state_q)
             state_q.advance()
-            head, m_block = _next_query_block(head, m_block, m_first, m_block_min, m_block_max)
+            head, m_block = next_query_block(head, m_block, m_first, m_block_min, m_block_max)
 
         # the postprocess may launch now: it waits for this whole grid before reading dQ
         cute.arch.griddepcontrol_launch_dependents()
@@ -685,74 +659,6 @@ class FlashBwdSm90:
                     acc_dP_rc[rc] = acc_dP_rc[rc] * (1.0 - tanh_u * tanh_u)
 
     @cute.jit
-    def _write_dq(self, mdQacc, dq_order, sdQ, wg, n_block, kv_head, batch, group, m_block_min, m_block_max,
-                  bounds: SeqBounds, window_left, window_right):
-        """Writer warp of MMA warpgroup ``wg``: adds each of its dQ tiles to the fp32
-        accumulator with one 1-D bulk reduce-add, off the warpgroup's critical path
-        (deterministic variants: from the last key block down, see :meth:`_dq_turn`)."""
-        mDqOrder, mDqTurns = dq_order
-        cute.arch.griddepcontrol_wait()  # the preprocess zeroes the accumulator
-        if const_expr(self.deterministic and self.masked):  # this key block's turns, one per query block
-            mDqTurns = mDqTurns[batch, kv_head, n_block, None]
-        src = sdQ[None, wg].iterator.toint()
-        num_m = m_block_max - m_block_min
-        num_blocks = group * num_m
-        if num_blocks > 0:  # (no arrival left pending at exit)
-            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
-                                     number_of_threads=_DQ_BAR_THREADS)
-        m_first = self._first_query_block(n_block, m_block_min, m_block_max)
-        head, m_block = kv_head * group, m_first
-        for block in cutlass.range(num_blocks, unroll=1):
-            row0, entry = bounds.padded_index(m_block * self.tile_m, batch)
-            tile_idx = (entry, head, row0 // self.tile_m, wg)
-            dst = mdQacc[(*tile_idx, None)].iterator.toint()
-            turn = Int32(0)
-            if const_expr(self.deterministic):  # worked out while the warpgroup computes the tile
-                turn = self._dq_turn(n_block, m_block, kv_head, batch, bounds, window_left, window_right,
-                                     mDqTurns)
-            count = mDqOrder.iterator + cute.crd2idx(tile_idx, mDqOrder.layout)  # (deterministic)
-            cute.arch.barrier(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=_DQ_BAR_THREADS)
-            if cute.arch.lane_idx() == 0:
-                if const_expr(self.deterministic):
-                    wait_for_value(count, turn)
-                    cute.arch.fence_proxy("async.global")
-                bulk_reduce_add_f32(dst, src, self.dq_chunk * Float32.width // 8)
-                cute.arch.cp_async_bulk_commit_group()
-                if const_expr(self.deterministic) or block + 1 < num_blocks:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            # the smem tile is read: the warpgroup may refill it while the add completes
-            if block + 1 < num_blocks:
-                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + wg,
-                                         number_of_threads=_DQ_BAR_THREADS)
-            if const_expr(self.deterministic):
-                if cute.arch.lane_idx() == 0:
-                    # the add must be performed before the next key block's may start
-                    cute.arch.cp_async_bulk_wait_group(0)
-                    cute.arch.fence_proxy("async.global")
-                    cute.arch.red(count, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
-            head, m_block = _next_query_block(head, m_block, m_first, m_block_min, m_block_max)
-        if cute.arch.lane_idx() == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def _dq_turn(self, n_block, m_block, kv_head, batch, bounds: SeqBounds, window_left, window_right,
-                 mDqTurns) -> Int32:
-        """How many higher key blocks of this sequence visit query block ``m_block``: this key
-        block's turn to add to that dQ tile. Dense: all of them. Causal and windows: a closed
-        form (``key_blocks_reaching``; a loop over the key blocks would outlast the tile at long
-        lengths). Masks: the host's table (``runtime.attention_mask.dq_turns``), counted from the same
-        ranges the CTAs loop over, so the count always comes."""
-        n_blocks = cute.ceil_div(bounds.seqlen_k, self.tile_n)
-        turn = n_blocks - 1 - n_block
-        if const_expr(self.masked):  # (mDqTurns: this key block's row of the table)
-            turn = mDqTurns[m_block]
-        elif const_expr(self.causal or self.local):
-            reaching = key_blocks_reaching(m_block, bounds.seqlen_q, bounds.seqlen_k, window_right, self.tile_m,
-                                           self.tile_n, self.causal)
-            turn = cutlass.min(n_blocks, reaching) - 1 - n_block
-        return turn
-
-    @cute.jit
     def _store_dkv(self, acc_dK, acc_dV, softmax_scale, mma_dkv, sK, sV, tma_dK, tma_dV,
                    mdK, mdV, mdK_rows, mdV_rows, tidx, n_block, kv_head, batch, bounds: SeqBounds):
         """dK (times the softmax scale) and dV -> smem (reusing K and V) -> TMA store."""
@@ -783,17 +689,6 @@ class FlashBwdSm90:
                 cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-
-@cute.jit
-def _next_query_block(head: Int32, m_block: Int32, m_first: Int32, m_block_min: Int32, m_block_max: Int32) -> tuple:
-    """The (query head, query block) after this one in a key block's walk over its GQA group:
-    blocks [m_block_min, m_block_max) of each head in turn, from ``m_first`` round to the block
-    before it. Stepped, not divided out of a flat index: a runtime integer division costs ~20
-    instructions per iteration."""
-    wrap = m_block + 1 == m_block_max
-    m_next = cutlass.select_(wrap, m_block_min, m_block + 1)
-    return head + cutlass.select_(m_next == m_first, 1, 0), m_next
 
 
 # -------------------------------------------------------------------- family / host API

@@ -1,0 +1,140 @@
+"""dQ of the Hopper attention backward (flash_bwd.py): each MMA warpgroup's hand-over of its
+dQ tiles to a writer warp, the writer's adds into the fp32 accumulator, their order, and the walk
+over query blocks that the producer, the MMA warpgroups and the writers share.
+
+A warpgroup stores each dQ tile to its smem buffer in accumulator order and arrives on a named
+barrier; its writer warp adds the tile to the (B, H, query block, warpgroup, tile) accumulator
+with one 1-D bulk reduce-add (``cp.reduce.async.bulk``) and hands the buffer back on a second
+barrier once the add has read it.
+
+Order: the adds of the CTAs of different key blocks into one tile are not ordered, so dQ is not
+bitwise reproducible run to run (fp32 sums, then rounded to bf16/fp16). The ``deterministic``
+variants fix the order: a writer adds its tile only once every higher key block that visits the
+tile has added its own (an int32 count per accumulator tile, acquired and released at GPU
+scope). Their grid runs the key blocks backwards (CTA x takes key block N - 1 - x): a CTA only
+waits on CTAs launched before it, so the waits always end, and under a causal mask a key block
+reaches each query block after the higher blocks (which start on the diagonal, later in the
+sequence) have added theirs: in key order, the first key block would hold every other one back
+by its whole loop. (So the ordered walk cannot rotate: a rotated turn would wait on key blocks
+launched later.)
+
+Walk: each key block visits the query blocks [m_block_min, m_block_max) of each query head of
+its GQA group in turn. Unordered and without a causal mask, a window or an attn_mask, key block
+n starts at query block n mod M (``rotate``): all of a head's key blocks visit the same query
+blocks, and walked in step their adds would pile into one dQ tile at a time.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from ..common.bulk import bulk_reduce_add_f32, wait_for_value
+from ..common.mask import key_blocks_reaching
+from ..common.seqlen import SeqBounds
+
+# named barriers, + MMA warpgroup index; the warpgroup and its dQ writer warp (128 + 32 threads)
+BAR_DQ_FULL = 2  # the warpgroup's dQ tile is in smem
+BAR_DQ_EMPTY = 4  # the writer's reduce-add has finished reading it
+DQ_BAR_THREADS = 128 + 32
+
+
+@cute.jit
+def hand_dq_to_writer(tdQrdQ: cute.Tensor, tdQsdQ: cute.Tensor, wg_idx: Int32):
+    """An MMA warpgroup's dQ tile (registers) -> its smem buffer, once the writer warp has
+    read the previous one, then over to the writer."""
+    cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + wg_idx, number_of_threads=DQ_BAR_THREADS)
+    cute.autovec_copy(tdQrdQ, tdQsdQ)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + wg_idx, number_of_threads=DQ_BAR_THREADS)
+
+
+class DqAccumulation:
+    """The writer warps and the walk, as methods of the backward kernel (``FlashBwdSm90``, whose
+    tile shape, masks and ``deterministic`` / ``rotate`` flags they read)."""
+
+    def _first_query_block(self, n_block: Int32, m_block_min: Int32, m_block_max: Int32) -> Int32:
+        """Where this key block's walk over each head's query blocks starts (see ``rotate``)."""
+        if const_expr(self.rotate):
+            return m_block_min + n_block % cutlass.max(m_block_max - m_block_min, 1)
+        return m_block_min
+
+    @cute.jit
+    def _write_dq(self, mdQacc, dq_order, sdQ, wg, n_block, kv_head, batch, group, m_block_min, m_block_max,
+                  bounds: SeqBounds, window_left, window_right):
+        """Writer warp of MMA warpgroup ``wg``: adds each of its dQ tiles to the fp32
+        accumulator with one 1-D bulk reduce-add, off the warpgroup's critical path
+        (deterministic variants: from the last key block down, see :meth:`_dq_turn`)."""
+        mDqOrder, mDqTurns = dq_order
+        cute.arch.griddepcontrol_wait()  # the preprocess zeroes the accumulator
+        if const_expr(self.deterministic and self.masked):  # this key block's turns, one per query block
+            mDqTurns = mDqTurns[batch, kv_head, n_block, None]
+        src = sdQ[None, wg].iterator.toint()
+        num_m = m_block_max - m_block_min
+        num_blocks = group * num_m
+        if num_blocks > 0:  # (no arrival left pending at exit)
+            cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg,
+                                     number_of_threads=DQ_BAR_THREADS)
+        m_first = self._first_query_block(n_block, m_block_min, m_block_max)
+        head, m_block = kv_head * group, m_first
+        for block in cutlass.range(num_blocks, unroll=1):
+            row0, entry = bounds.padded_index(m_block * self.tile_m, batch)
+            tile_idx = (entry, head, row0 // self.tile_m, wg)
+            dst = mdQacc[(*tile_idx, None)].iterator.toint()
+            turn = Int32(0)
+            if const_expr(self.deterministic):  # worked out while the warpgroup computes the tile
+                turn = self._dq_turn(n_block, m_block, kv_head, batch, bounds, window_left, window_right,
+                                     mDqTurns)
+            count = mDqOrder.iterator + cute.crd2idx(tile_idx, mDqOrder.layout)  # (deterministic)
+            cute.arch.barrier(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_BAR_THREADS)
+            if cute.arch.lane_idx() == 0:
+                if const_expr(self.deterministic):
+                    wait_for_value(count, turn)
+                    cute.arch.fence_proxy("async.global")
+                bulk_reduce_add_f32(dst, src, self.dq_chunk * Float32.width // 8)
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(self.deterministic) or block + 1 < num_blocks:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            # the smem tile is read: the warpgroup may refill it while the add completes
+            if block + 1 < num_blocks:
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + wg,
+                                         number_of_threads=DQ_BAR_THREADS)
+            if const_expr(self.deterministic):
+                if cute.arch.lane_idx() == 0:
+                    # the add must be performed before the next key block's may start
+                    cute.arch.cp_async_bulk_wait_group(0)
+                    cute.arch.fence_proxy("async.global")
+                    cute.arch.red(count, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
+            head, m_block = next_query_block(head, m_block, m_first, m_block_min, m_block_max)
+        if cute.arch.lane_idx() == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _dq_turn(self, n_block, m_block, kv_head, batch, bounds: SeqBounds, window_left, window_right,
+                 mDqTurns) -> Int32:
+        """How many higher key blocks of this sequence visit query block ``m_block``: this key
+        block's turn to add to that dQ tile. Dense: all of them. Causal and windows: a closed
+        form (``key_blocks_reaching``; a loop over the key blocks would outlast the tile at long
+        lengths). Masks: the host's table (``runtime.attention_mask.dq_turns``), counted from the same
+        ranges the CTAs loop over, so the count always comes."""
+        n_blocks = cute.ceil_div(bounds.seqlen_k, self.tile_n)
+        turn = n_blocks - 1 - n_block
+        if const_expr(self.masked):  # (mDqTurns: this key block's row of the table)
+            turn = mDqTurns[m_block]
+        elif const_expr(self.causal or self.local):
+            reaching = key_blocks_reaching(m_block, bounds.seqlen_q, bounds.seqlen_k, window_right, self.tile_m,
+                                           self.tile_n, self.causal)
+            turn = cutlass.min(n_blocks, reaching) - 1 - n_block
+        return turn
+
+
+@cute.jit
+def next_query_block(head: Int32, m_block: Int32, m_first: Int32, m_block_min: Int32, m_block_max: Int32) -> tuple:
+    """The (query head, query block) after this one in a key block's walk over its GQA group:
+    blocks [m_block_min, m_block_max) of each head in turn, from ``m_first`` round to the block
+    before it. Stepped, not divided out of a flat index: a runtime integer division costs ~20
+    instructions per iteration."""
+    wrap = m_block + 1 == m_block_max
+    m_next = cutlass.select_(wrap, m_block_min, m_block + 1)
+    return head + cutlass.select_(m_next == m_first, 1, 0), m_next
