@@ -117,10 +117,8 @@ class FlashBwdSm90(DqAccumulation):
         # GEMM on them, so dK goes before dQ and the loads run under dQ's GEMM and its store.
         # With two stages dQ goes first and its store runs under dK's GEMM instead.
         self.dq_last = num_stages == 1
-        # Every key block of a full, unordered backward visits the same query blocks: walked in
-        # step, all of a head's CTAs would reduce-add into one dQ tile at a time. Each starts its
-        # walk at its own query block instead (key block n at n mod M), so their adds go to
-        # different tiles. Ordered adds keep the plain walk: their turns follow the launch order.
+        # a full, unordered backward's key blocks start their walks at different query blocks
+        # (flash_bwd_dq.py says why, and why ordered adds keep the plain walk)
         self.rotate = not (causal or local or self.masked or deterministic) and rows == "dense"
         self.pds_stages = self._pds_stages()
 
