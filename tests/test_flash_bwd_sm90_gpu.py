@@ -149,8 +149,8 @@ def test_deterministic_mode_gives_bitwise_reproducible_gradients(case):
     waiting for its turn): on the kernels (no fallback), three runs give identical bytes, and
     the gradients match the default variant's to the usual tolerance. The cases cover each way a
     turn is counted (dense, causal with either length longer, windows, ragged and padded
-    lengths, a mask's block ranges) and the head dims' tile shapes. D256 full: by default its walks
-    start at different query blocks, unordered; asked for, it walks in step, ordered."""
+    lengths, a mask's block ranges, full walks that start at different query blocks (12 key blocks)
+    and D256's 24, too many for that, which walk in step) and the head dims' tile shapes."""
     import torch_cute_ops as tco
     from torch_cute_ops.ops import fallback
 

@@ -117,9 +117,9 @@ class FlashBwdSm90(DqAccumulation):
         # GEMM on them, so dK goes before dQ and the loads run under dQ's GEMM and its store.
         # With two stages dQ goes first and its store runs under dK's GEMM instead.
         self.dq_last = num_stages == 1
-        # a full, unordered backward's key blocks start their walks at different query blocks
-        # (flash_bwd_dq.py says why, and why ordered adds keep the plain walk)
-        self.rotate = not (causal or local or self.masked or deterministic) and rows == "dense"
+        # a full backward's key blocks start their walks at different query blocks (flash_bwd_dq.py
+        # says why, and where ordered adds may)
+        self.rotate = not (causal or local or self.masked) and rows == "dense"
         self.pds_stages = self._pds_stages()
 
     def _pds_stages(self) -> int:
@@ -380,7 +380,7 @@ class FlashBwdSm90(DqAccumulation):
 
         state_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         state_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        m_first = self._first_query_block(n_block, m_block_min, m_block_max)
+        m_first = self._first_query_block(n_block, m_block_min, m_block_max, bounds)
         for g in cutlass.range(group, unroll=1):
             head = kv_head * group + g
             q_views = self._stream_views(tma_q, m_q, smem["sQ"], smem["sLSE"], head, batch, bounds)
@@ -520,7 +520,7 @@ class FlashBwdSm90(DqAccumulation):
         # waited for inside its iteration: a WGMMA left in flight across the loop's back edge
         # (issuing the next S early) makes ptxas serialize all of them (C7515), -20% at 16k.
         num_m = m_block_max - m_block_min
-        m_first = self._first_query_block(n_block, m_block_min, m_block_max)
+        m_first = self._first_query_block(n_block, m_block_min, m_block_max, bounds)
         head, m_block = kv_head * group, m_first
         for _ in cutlass.range(group * num_m, unroll=1):
             q_idx, do_idx = state_q.index, state_do.index
