@@ -88,6 +88,7 @@ FP8_CASES = [  # (scale mode, a, b, out, bias dtype, activation, tile)
      GemmConfig(128, 256, 2, 1)),
     ("block", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, None, None, GemmConfig(128, 128, 2, 1)),
     ("block", torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.float32, None, GemmConfig(64, 128)),
+    ("block", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, None, None, GemmConfig(128, 192, 2, 1)),
 ]
 
 
@@ -98,7 +99,8 @@ def test_fp8_ptx(case, tmp_path):
     warpgroup batch), no spills; the scales are read from global memory a fixed number of times
     per thread: once in the epilogue for per-tensor / rowwise ones (2 values per row-pair, one
     per column; a 16-bit bias one word per column pair), once per k-tile for blockwise ones (2
-    rows of A, one B block, loaded where the k-tile's batch is issued)."""
+    rows of A and B's block, two blocks under a 192-column tile, loaded where the k-tile's batch
+    is issued); a 192-column tile's warpgroups take turns on two named barriers."""
     from torch_cute_ops.runtime.gemm import scaled_spec
 
     mode, a_dtype, b_dtype, out_dtype, bias_dtype, activation, config = case
@@ -112,16 +114,20 @@ def test_fp8_ptx(case, tmp_path):
     scale_loads = len(re.findall(r"ld\.global(?:\.nc)?\.b32", ptx))
     columns_per_thread = config.tile_n // 4
     # blockwise: each of the four places a k-tile's batch is issued from (the first, the loop's
-    # two, the odd last one) loads its 2 rows' scale_a and scale_b's block
-    expected = {"tensor": 2, "row": 2 + columns_per_thread, "block": 4 * 3}[mode]
+    # two, the odd last one) loads its 2 rows' scale_a and scale_b's block; one fragment (192
+    # columns): the first k-tile's and the loop's loads, of 2 rows and 2 blocks
+    expected = {"tensor": 2, "row": 2 + columns_per_thread, "block": 4 * 3 if config.tile_n <= 128 else 2 * 4}[mode]
     if bias_dtype == torch.float32:
         expected += columns_per_thread
     elif bias_dtype is not None:  # a 16-bit bias: one 32-bit word per pair of columns
         expected += columns_per_thread // 2
     assert scale_loads == expected, (scale_loads, expected)
-    if mode == "block":
+    if mode == "block" and config.tile_n <= 128:
         # the per-k-tile promotion, one FFMA per accumulator value, at its four places
         assert len(re.findall(r"\bfma\.rn\.f32", ptx)) >= 4 * 64 * config.tile_n // 128
+    elif mode == "block":  # at one place; the turns: the hand-over of the first and each k-tile's
+        assert len(re.findall(r"\bfma\.rn\.f32", ptx)) >= 64 * config.tile_n // 128
+        assert len(re.findall(r"\bbar\.arrive\b", ptx)) == 2 and len(re.findall(r"\bbar\.sync\b", ptx)) >= 1
 
 
 def test_fp8_spec_needs_k_major_and_scales():
@@ -134,19 +140,25 @@ def test_fp8_spec_needs_k_major_and_scales():
     reason = sm90_gemm.plan((256, 100), (100, 1), (100, 64), (1, 100), e4m3, None, None, torch.bfloat16, 0,
                             scale_mode="tensor")
     assert "stride 100 of dim" in reason  # K = 100 bytes: not a multiple of 16
-    # blockwise scales keep two accumulators: tiles narrow to 128 columns, never ping-pong
+    # blockwise scales keep k-tile fragments: tiles of 128 columns at most, or 128 x 192, never
+    # ping-pong
     assert block_scaled_config(GemmConfig(128, 256, 2, 1)) == GemmConfig(128, 128, 2, 1)
     assert block_scaled_config(GemmConfig(128, 128, pingpong=True)) == GemmConfig(128, 128)
+    assert block_scaled_config(GemmConfig(128, 192, 2, 1)) == GemmConfig(128, 192, 2, 1)
+    assert block_scaled_config(GemmConfig(128, 192, 2, 1, pingpong=True)) == GemmConfig(128, 128, 2, 1)
 
 
 @pytest.mark.parametrize("mode,shape,expect_tile", [
     ("tensor", (4096, 4096, 4096), (128, 256)), ("row", (4096, 4096, 4096), (128, 256)),
     ("block", (4096, 4096, 4096), (128, 128)), ("block", (48, 4096, 1024), (64, 64)),
+    ("block", (8192, 8192, 8192), (128, 192)), ("block", (1024, 4096, 4096), (128, 128)),
 ])
 def test_fp8_launch_plan(monkeypatch, mode, shape, expect_tile):
     """The host plan of an FP8 call (no GPU: the SM count and the compiled function stubbed): the
-    variant carries the scale mode, B's and the bias' dtypes; blockwise tiles are narrowed to 128
-    columns; per-tensor scales travel as 1-vectors."""
+    variant carries the scale mode, B's and the bias' dtypes; blockwise tiles narrow to 128 x 192
+    where those fill the waves (8192^3: 21 waves of 132, 99% used) and to 128 columns where they
+    would not (4096^3: 6 waves at 89%; 1024 x 4096: 176 tiles, 1.3 waves); per-tensor scales
+    travel as 1-vectors."""
     from torch_cute_ops.runtime import gemm as runtime_gemm
 
     monkeypatch.setattr(runtime_gemm, "sm_count", lambda index: 132)

@@ -118,6 +118,25 @@ def test_blockwise_scales_loaded_a_k_tile_ahead(m, n, k):
     check(out, reference(a, b, sa, sb, "block"))
 
 
+@pytest.mark.parametrize("m,n,k,lead,out_dtype,stream_k", [
+    (300, 200, 128, (), torch.float32, False),  # one k-tile; the second tile starts mid-block
+    (257, 1000, 640, (), torch.bfloat16, False),  # N tail inside the last tile's first block
+    (1000, 584, 1664, (2,), torch.float32, False),  # batched; the last tile's second block past N
+    (4096, 3072, 16384, (), torch.bfloat16, False),  # many tiles per CTA, 128 k-tiles
+    (2048, 1920, 4096, (), torch.bfloat16, True),  # stream-K segments
+])
+def test_blockwise_192_column_tiles(m, n, k, lead, out_dtype, stream_k):
+    """128 x 192 tiles (one k-tile fragment per warpgroup, the two warpgroups taking turns): a
+    tile covers two scale blocks of B, starting on one (even tile columns) or halfway through it
+    (odd ones); M and N tails, 1 to 128 k-tiles, batched, stream-K, fp32 and bf16 out."""
+    from torch_cute_ops.runtime.gemm_config import GemmConfig
+
+    a, b, sa, sb = operands("block", m, n, k, lead)
+    out = run_kernel(a, b, sa, sb, "block", out_dtype=out_dtype,
+                     config=GemmConfig(128, 192, 2, 1, stream_k=stream_k))
+    check(out, reference(a, b, sa, sb, "block"))
+
+
 @pytest.mark.parametrize("mode", ["tensor", "row"])
 def test_k_not_a_multiple_of_the_k_tile(mode):
     a, b, sa, sb = operands(mode, 300, 200, 1040)

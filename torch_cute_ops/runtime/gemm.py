@@ -19,7 +19,7 @@ import functools
 import torch
 
 from .cache import get_compiled
-from .gemm_config import GemmConfig, choose_config
+from .gemm_config import GemmConfig, choose_config, num_tiles, wave_fill
 from .scratch import scratch, zeroed_int32
 from .spec import KernelSpec
 from .tma import TMA_ALIGN_BYTES, tma_reason
@@ -240,7 +240,7 @@ class GemmHost:
         sms = sm_count(device_index)
         config = config or choose_config(self.arch, m, n, k, batch, sms, fp8=scale_mode is not None)
         if scale_mode == "block":
-            config = block_scaled_config(config)
+            config = block_scaled_config(config, m, n, batch, sms)
         b_dtype, bias_dtype = b_dtype or dtype, bias_dtype if bias_layout is not None else None
         a_strides, a_k_major = operand_strides(*a3, dtype.itemsize)
         b_strides, b_n_major = operand_strides(*b3, dtype.itemsize)
@@ -323,15 +323,29 @@ def scaled_spec(host: GemmHost, a_dtype, b_dtype, out_dtype, bias_dtype, scale_m
                            **config.spec_params(), **extra)
 
 
-def block_scaled_config(config: GemmConfig) -> GemmConfig:
-    """Blockwise scales keep a second accumulator per k-tile and one B scale per tile: 64 or 128
-    columns (a tile inside one 128-column scale block), cooperative. They have no swapped
-    variant: a decode step's rows take 64 x 64 tiles instead."""
+# Blockwise 128 x 192 (one k-tile fragment per warpgroup) against 128 x 128 (two), both with
+# full waves: +1 to +6% at 8192^3, 16384 x 8192 / 12288 / 14336 x 4096 (H100, bench_fp8.py
+# --configs, one run; bench/NOTES.md, session 27). Below that, the tile count's wave fill decides.
+BLOCK_192_EFFICIENCY = 1.03
+
+
+def block_scaled_config(config: GemmConfig, m: int | None = None, n: int | None = None, batch: int = 1,
+                        sms: int = 132) -> GemmConfig:
+    """Blockwise scales keep a k-tile fragment beside the accumulator (kernels/sm90/
+    gemm_block_scaled.py): cooperative tiles of 64 or 128 columns (two fragments), or 128 x 192
+    (one). A 128 x 256 pick (the heuristic's for wide problems) becomes 128 x 192 where that
+    fills the waves about as well as 128 x 128 (given the problem's ``m``, ``n``), else 128 x
+    128. They have no swapped variant: a decode step's rows take 64 x 64 tiles instead."""
     if config.swap_ab:
         return GemmConfig(64, 64)
-    if 128 % config.tile_n == 0 and not config.pingpong:
+    if not config.pingpong and (128 % config.tile_n == 0 or config.tile_mn == (128, 192)):
         return config
-    return dataclasses.replace(config, tile_n=128, pingpong=False)
+    narrow = dataclasses.replace(config, tile_n=128, pingpong=False)
+    if config.tile_mn != (128, 256) or m is None:
+        return narrow
+    wide_fill = wave_fill(num_tiles(m, n, batch, 128, 192), sms)
+    narrow_fill = wave_fill(num_tiles(m, n, batch, 128, 128), sms)
+    return dataclasses.replace(config, tile_n=192) if BLOCK_192_EFFICIENCY * wide_fill > narrow_fill else narrow
 
 
 @functools.cache
@@ -363,7 +377,8 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
     decode = (GemmConfig(128, 16, swap_ab=True), GemmConfig(128, 32, swap_ab=True))
     decode_variants = [host.spec("bf16", "bf16", weight_k_major, True, bias, None, config, 2) for config in decode
                        for weight_k_major, bias in ((False, False), (True, False), (True, True))]
-    fp8_small = (medium, one_row_of_tiles, m64)  # FP8's tiles below 128 x 256 (blockwise: all of them)
+    fp8_small = (medium, one_row_of_tiles, m64)  # FP8's tiles below 128 x 256
+    fp8_block_wide = GemmConfig(128, 192, 2, 1)  # blockwise scales' pick for 128 x 256 (block_scaled_config)
     e4m3 = torch.float8_e4m3fn
     return [
         *(host.spec("bf16", "bf16", True, False, False, None, big, rank) for rank in (2, 3)),
@@ -382,7 +397,8 @@ def _sm90_shipped(host: GemmHost) -> list[KernelSpec]:
         # FP8 x @ W.T at the tiles the heuristic gives it from a decode step's M up
         *(scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "row", None, config, 2)
           for config in (big, *fp8_small, *decode)),
-        *(scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "block", None, config, 2) for config in fp8_small),
+        *(scaled_spec(host, e4m3, e4m3, torch.bfloat16, None, "block", None, config, 2)
+          for config in (fp8_block_wide, *fp8_small)),
     ]
 
 

@@ -31,10 +31,7 @@ One CTA = one producer warpgroup + two consumer warpgroups (one for 64-row tiles
 FP8 (``scale_mode`` set; e4m3 / e5m2, both operands K-major as FP8 WGMMA requires): k-tiles
 are 128 wide (128 bytes, one swizzle atom, as for 16-bit types). "tensor" and "row" scales
 multiply the fp32 accumulator in the epilogue; "block" scales (1 x 128 blocks of A, 128 x 128
-of B) are applied per k-tile: each k-tile's WGMMA batch accumulates into a fresh fp32
-fragment that is then added to the running one times ``scale_a[row] * scale_b[block]``, so
-the tensor cores' reduced-precision FP8 accumulation never spans more than 128 of K. Two such
-fragments take turns, so a k-tile is promoted while the next one's batch runs.
+of B) are applied per k-tile in the main loop (``gemm_block_scaled.py``).
 
 Swapped operands (``GemmConfig.swap_ab``, a decode step's rows on the MMA's narrow N) compute
 out^T = b^T @ a^T, the jit host function trading the roles of the caller's tensors (layouts
@@ -56,7 +53,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...runtime.gemm_config import GemmConfig
@@ -66,6 +63,7 @@ from ..common.activation import apply_activation
 from ..common.gemm_operands import (fake_operand, fake_scales, scales_to_kernel_order, swapped_scales,
                                     to_kernel_order, to_swapped_kernel_order)
 from ..common.tile_scheduler import PersistentTileScheduler, StreamKTileScheduler, stream_k_fixup
+from .gemm_block_scaled import SCALE_BLOCK, BlockScaledMainloop
 from .gemm_epilogue import GemmEpilogue
 
 
@@ -75,7 +73,6 @@ _DSL_TYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": Float32
 
 TILE_K_BYTES = 128  # one smem row of a k-tile: the 128B swizzle atom (64 16-bit or 128 FP8 values)
 SCALE_MODES = (None, "tensor", "row", "block")
-SCALE_BLOCK = 128  # the K (and B's N) extent of one blockwise scale
 _SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
 _SMEM_RESERVED_BYTES = 1024  # mbarriers and alignment slack
 # Small tiles take as many stages as smem holds (64 x 64: 13, swapped 64 x 16: 22): with few
@@ -83,7 +80,7 @@ _SMEM_RESERVED_BYTES = 1024  # mbarriers and alignment slack
 _MAX_AB_STAGES = 24
 
 
-class Sm90Gemm(GemmEpilogue):
+class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
     """One compiled variant: dtypes, majorness, epilogue and tile config are static.
 
     Two consumer schedules (``config.pingpong``):
@@ -112,9 +109,11 @@ class Sm90Gemm(GemmEpilogue):
             raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
         if ab_dtype.width == 8 and not (a_k_major and b_k_major and scale_mode):
             raise ValueError("FP8 operands need scales and K-major A and B (FP8 WGMMA reads K-major smem only)")
-        if scale_mode == "block" and (SCALE_BLOCK % config.tile_n or config.pingpong):
-            # the per-k-tile fragment doubles the accumulator registers; one B scale per tile
-            raise ValueError(f"blockwise scales need a cooperative tile of 64 or 128 columns, got {config}")
+        if scale_mode == "block" and (config.pingpong or not (SCALE_BLOCK % config.tile_n == 0
+                                                              or config.tile_mn == (128, 192))):
+            # the per-k-tile fragment doubles the accumulator registers (gemm_block_scaled.py)
+            raise ValueError(f"blockwise scales need a cooperative tile of 64 or 128 columns, or 128 x 192, "
+                             f"got {config}")
         self.ab_dtype = ab_dtype  # A's dtype (B's too unless b_dtype says otherwise)
         self.b_dtype = b_dtype or ab_dtype
         self.bias_dtype = bias_dtype or ab_dtype
@@ -433,8 +432,14 @@ class Sm90Gemm(GemmEpilogue):
         tCcC = tiled_mma.get_slice(group_tidx).partition_C(cute.make_identity_tensor((tile_m, tile_n)))
         acc = cute.make_rmem_tensor(tCcC.shape, Float32)
         if cutlass.const_expr(self.scale_mode == "block"):
-            # two k-tiles' partial sums: one promoted while the next one's batch runs
-            acc_k_tiles = (cute.make_rmem_tensor(tCcC.shape, Float32), cute.make_rmem_tensor(tCcC.shape, Float32))
+            # k-tile partial sums, promoted into acc (gemm_block_scaled.py)
+            acc_k_tiles = tuple(cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(self._block_fragments()))
+            turns = None
+            if cutlass.const_expr(self._block_fragments() == 1):
+                wg = cute.arch.make_warp_uniform(group_tidx // 128)
+                turns = self._block_turns(wg)
+                if wg == 1:
+                    turns[1].arrive()
         if cutlass.const_expr(self.scale_mode == "tensor"):
             alpha = alpha * mScaleA[0] * mScaleB[0]
         if cutlass.const_expr(not self.direct_store):
@@ -473,8 +478,8 @@ class Sm90Gemm(GemmEpilogue):
                 my_turn.arrive_and_wait()
             if cutlass.const_expr(self.scale_mode == "block"):
                 read_state = self._mainloop_block_scaled(
-                    ab_pipeline, tiled_mma, acc, acc_k_tiles, tCrA, tCrB, read_state, k_count, mScaleA, mScaleB,
-                    tCcC, row_start, col_start, mC_mnl.shape, batch_idx, k_begin)
+                    ab_pipeline, tiled_mma, acc, acc_k_tiles, turns, tCrA, tCrB, read_state, k_count, mScaleA,
+                    mScaleB, tCcC, row_start, col_start, mC_mnl.shape, batch_idx, k_begin)
                 release_state = read_state.clone()
             else:
                 read_state, release_state = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, read_state,
@@ -526,101 +531,6 @@ class Sm90Gemm(GemmEpilogue):
             release_state.advance()
             read_state.advance()
         return read_state, release_state
-
-    @cute.jit
-    def _mainloop_block_scaled(self, ab_pipeline, tiled_mma, acc, acc_k_tiles, tCrA, tCrB, read_state, num_k_tiles,
-                               mScaleA, mScaleB, tCcC, row_start, col_start, mn_shape, batch_idx, k_begin):
-        """acc = sum over k-tiles of (A_k @ B_k) * scale_a[row, k] * scale_b[k, col // 128], over
-        ``num_k_tiles`` k-tiles from ``k_begin`` (a stream-K segment's; 0 otherwise).
-
-        Each k-tile's batch accumulates from zero into one of two k-tile accumulators, taking
-        turns, and is promoted into ``acc`` (one FFMA per value) while the next k-tile's batch
-        runs: the tensor cores never wait for a promotion. A k-tile's scales are loaded when its
-        batch is issued, a k-tile before the promotion that uses them (loaded at the top of their
-        own k-tile, ptxas had placed their product between the WGMMAs, whose issue then waited
-        for an L2 trip: bench/NOTES.md).
-        """
-        # The wgmma C fragment of a thread holds values ((2 cols, 2 rows, n/8 col groups), m, 1):
-        # its rows, and its single 128-column block, are the same for every k-tile.
-        frag_rows = cute.size(acc, mode=[1]) * 2
-        last_row = mn_shape[0] - 1
-        rows = cute.make_rmem_tensor((frag_rows,), Int32)
-        for r in cutlass.range_constexpr(frag_rows):
-            rows[r] = cutlass.min(row_start + tCcC[((0, r % 2, 0), r // 2, 0)][0], last_row)
-        col_block = col_start // SCALE_BLOCK
-        # Byte addresses of this thread's scales (its rows' scale_a, then scale_b's block), each
-        # stepped by its k stride per k-tile: the loop does one 64-bit add per load instead of
-        # the full index arithmetic (which had the consumers issue-bound, bench/NOTES.md).
-        scale_addr = cute.make_rmem_tensor((frag_rows + 1,), Int64)
-        scale_step = cute.make_rmem_tensor((frag_rows + 1,), Int64)
-        for r in cutlass.range_constexpr(frag_rows):
-            scale_addr[r] = mScaleA[rows[r], None, batch_idx].iterator.toint()
-            scale_step[r] = Int64(mScaleA.layout.stride[1]) * (Float32.width // 8)
-        scale_addr[frag_rows] = mScaleB[None, col_block, batch_idx].iterator.toint()
-        scale_step[frag_rows] = Int64(mScaleB.layout.stride[0]) * (Float32.width // 8)
-        if cutlass.const_expr(self.stream_k):
-            for i in cutlass.range_constexpr(frag_rows + 1):
-                scale_addr[i] = scale_addr[i] + Int64(k_begin) * scale_step[i]
-        # per k-tile accumulator: its scales, in the order of scale_addr
-        even, odd = acc_k_tiles
-        even_scales = cute.make_rmem_tensor((frag_rows + 1,), Float32)
-        odd_scales = cute.make_rmem_tensor((frag_rows + 1,), Float32)
-        scale_args = (scale_addr, scale_step)
-        acc.fill(0.0)
-        release_state = read_state.clone()
-        self._issue_scaled_k_tile(ab_pipeline, tiled_mma, even, even_scales, tCrA, tCrB, read_state, scale_args)
-        read_state.advance()
-        # k-tiles 1, 2, then 3, 4, ...: odd ones into `odd`, even ones into `even`
-        for pair in cutlass.range((num_k_tiles - 1) // 2, unroll=1):
-            for issued, issued_scales, done, done_scales in ((odd, odd_scales, even, even_scales),
-                                                             (even, even_scales, odd, odd_scales)):
-                self._issue_scaled_k_tile(ab_pipeline, tiled_mma, issued, issued_scales, tCrA, tCrB, read_state,
-                                          scale_args)
-                read_state.advance()
-                warpgroup.wait_group(1)  # the previous k-tile's batch is done, this one runs
-                ab_pipeline.consumer_release(release_state)
-                release_state.advance()
-                self._promote(acc, done, done_scales)
-        if (num_k_tiles - 1) % 2 == 1:  # one more, odd k-tile
-            self._issue_scaled_k_tile(ab_pipeline, tiled_mma, odd, odd_scales, tCrA, tCrB, read_state, scale_args)
-            read_state.advance()
-            warpgroup.wait_group(1)
-            ab_pipeline.consumer_release(release_state)
-            release_state.advance()
-            self._promote(acc, even, even_scales)
-            warpgroup.wait_group(0)
-            ab_pipeline.consumer_release(release_state)
-            release_state.advance()
-            self._promote(acc, odd, odd_scales)
-        else:
-            warpgroup.wait_group(0)
-            ab_pipeline.consumer_release(release_state)
-            release_state.advance()
-            self._promote(acc, even, even_scales)
-        return read_state
-
-    @cute.jit
-    def _issue_scaled_k_tile(self, ab_pipeline, tiled_mma, acc_k, scales, tCrA, tCrB, read_state, scale_args):
-        """Load the next k-tile's scales into ``scales`` (advancing their addresses) and issue
-        its batch into ``acc_k`` (from zero) once its stage is full."""
-        scale_addr, scale_step = scale_args
-        for i in cutlass.range_constexpr(cute.size(scales)):
-            ptr = cute.make_ptr(Float32, scale_addr[i], cute.AddressSpace.gmem, assumed_align=4)
-            scales[i] = cute.arch.load(ptr, Float32)
-            scale_addr[i] = scale_addr[i] + scale_step[i]
-        ab_pipeline.consumer_wait(read_state)
-        self._mma_k_tile(tiled_mma, acc_k, tCrA, tCrB, read_state.index, zero_init=True)
-
-    @cute.jit
-    def _promote(self, acc, acc_k, scales):
-        """acc += acc_k * scale_a[row] * scale_b (one retired k-tile's partial sums)."""
-        frag_rows = cute.size(scales) - 1
-        row_scale = cute.make_rmem_tensor((frag_rows,), Float32)
-        for r in cutlass.range_constexpr(frag_rows):
-            row_scale[r] = scales[r] * scales[frag_rows]
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            coord = cute.idx2crd(i, acc.shape)
-            acc[i] = acc[i] + acc_k[i] * row_scale[coord[0][1] + 2 * coord[1]]
 
     @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, zero_init: cutlass.Constexpr):
