@@ -8,7 +8,7 @@ fused), ``scaled_mm_tensor`` / ``scaled_mm_row`` / ``scaled_mm_block`` (``tco.sc
 three scale modes), ``attn_fwd`` (``tco.flash_attn_func``)
 and ``attn_bwd`` (``torch.ops.cute.flash_attn_bwd`` called directly: a backward reached through autograd
 runs on autograd's device thread, outside a range opened here). Attention shapes: B16 S``--size``
-H16 D``--head-dim``. ``decode`` (``tco.flash_attn_with_kvcache``) and, to set beside it, ``decode_torch``
+H16 D``--head-dim`` (``--deterministic``: the ordered dQ adds). ``decode`` (``tco.flash_attn_with_kvcache``) and, to set beside it, ``decode_torch``
 (torch's SDPA, ``enable_gqa``): one query token of B``--batch`` against ``--size`` cached keys, GQA
 32/8. Random data; the call runs ``--warmup`` times before the marked one.
 """
@@ -27,7 +27,7 @@ CASES = ("gemm", "gemm_bias_gelu", "scaled_mm_tensor", "scaled_mm_row", "scaled_
          "decode", "decode_torch")
 
 
-def make_call(case: str, size: int, head_dim: int, causal: bool, batch: int = 1):
+def make_call(case: str, size: int, head_dim: int, causal: bool, batch: int = 1, deterministic: bool = False):
     """The zero-argument call of ``case`` on fresh random CUDA inputs."""
     import torch_cute_ops as tco
     from torch_cute_ops import fp8
@@ -59,7 +59,8 @@ def make_call(case: str, size: int, head_dim: int, causal: bool, batch: int = 1)
         return lambda: tco.flash_attn_func(q, k, v, causal=causal)
     out, lse = tco.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     dout = torch.randn_like(out)
-    return lambda: torch.ops.cute.flash_attn_bwd(dout, q, k, v, out, lse, head_dim ** -0.5, causal)
+    return lambda: torch.ops.cute.flash_attn_bwd(dout, q, k, v, out, lse, head_dim ** -0.5, causal,
+                                                 deterministic=deterministic)
 
 
 def main() -> None:
@@ -70,10 +71,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="decode batch")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--deterministic", action="store_true", help="attn_bwd: the ordered dQ adds")
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     size = args.size or (1024 if args.case.startswith("attn") else 32768 if args.case.startswith("decode") else 8192)
-    call = make_call(args.case, size, args.head_dim, args.causal, args.batch)
+    call = make_call(args.case, size, args.head_dim, args.causal, args.batch, args.deterministic)
     for _ in range(args.warmup):
         call()
     torch.cuda.synchronize()

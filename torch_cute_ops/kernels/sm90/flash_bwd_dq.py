@@ -97,10 +97,14 @@ class DqAccumulation:
                 turn = self._dq_turn(n_block, m_block, m_block_min, m_block_max, kv_head, batch, bounds,
                                      window_left, window_right, mDqTurns)
             count = mDqOrder.iterator + cute.crd2idx(tile_idx, mDqOrder.layout)  # (deterministic)
+            if const_expr(self.deterministic):
+                # the turn is polled while the tile is computed: even when it has already come,
+                # the acquire load's round trip would delay the hand-back of the smem tile
+                if cute.arch.lane_idx() == 0:
+                    wait_for_value(count, turn)
             cute.arch.barrier(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_BAR_THREADS)
             if cute.arch.lane_idx() == 0:
                 if const_expr(self.deterministic):
-                    wait_for_value(count, turn)
                     cute.arch.fence_proxy("async.global")
                 bulk_reduce_add_f32(dst, src, self.dq_chunk * Float32.width // 8)
                 cute.arch.cp_async_bulk_commit_group()
