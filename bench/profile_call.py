@@ -5,12 +5,13 @@
 
 CASE: ``gemm`` (``tco.gemm``, bf16 N x N x N), ``gemm_bias_gelu`` (the same with a bias and gelu_tanh
 fused), ``scaled_mm_tensor`` / ``scaled_mm_row`` / ``scaled_mm_block`` (``tco.scaled_mm``, e4m3, the
-three scale modes), ``attn_fwd`` (``tco.flash_attn_func``)
-and ``attn_bwd`` (``torch.ops.cute.flash_attn_bwd`` called directly: a backward reached through autograd
-runs on autograd's device thread, outside a range opened here). Attention shapes: B16 S``--size``
-H16 D``--head-dim`` (``--deterministic``: the ordered dQ adds). ``decode`` (``tco.flash_attn_with_kvcache``) and, to set beside it, ``decode_torch``
-(torch's SDPA, ``enable_gqa``): one query token of B``--batch`` against ``--size`` cached keys, GQA
-32/8. Random data; the call runs ``--warmup`` times before the marked one.
+three scale modes), ``attn_fwd`` (``tco.flash_attn_func``) and ``attn_bwd``
+(``torch.ops.cute.flash_attn_bwd`` called directly: a backward reached through autograd runs on
+autograd's device thread, outside a range opened here; ``--deterministic``: the ordered dQ adds).
+Attention shapes: B16 S``--size`` H16 D``--head-dim``. ``decode`` (``tco.flash_attn_with_kvcache``)
+and, to set beside it, ``decode_torch`` (torch's SDPA, ``enable_gqa``): one query token of
+B``--batch`` against ``--size`` cached keys, GQA 32/8. Random data; the call runs ``--warmup``
+times before the marked one.
 """
 
 from __future__ import annotations
