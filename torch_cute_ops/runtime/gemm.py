@@ -323,9 +323,10 @@ def scaled_spec(host: GemmHost, a_dtype, b_dtype, out_dtype, bias_dtype, scale_m
                            **config.spec_params(), **extra)
 
 
-# Blockwise 128 x 192 (one k-tile fragment per warpgroup) against 128 x 128 (two), both with
-# full waves: +1 to +6% at 8192^3, 16384 x 8192 / 12288 / 14336 x 4096 (H100, bench_fp8.py
-# --configs, one run; bench/NOTES.md, session 27). Below that, the tile count's wave fill decides.
+# Blockwise 128 x 192 (one k-tile fragment per warpgroup) against 128 x 128 (two) where both fill
+# their waves: +1 to +10% at 8192^3 and 16384 x 8192 / 12288 / 14336 x 4096 (H100, bench_fp8.py,
+# several runs; bench/NOTES.md, session 27), level at 1024 / 16384 x 4096 x 4096 and 1024 x 12288.
+# Elsewhere the tile count's wave fill decides.
 BLOCK_192_EFFICIENCY = 1.03
 
 
