@@ -92,14 +92,12 @@ class DqAccumulation:
             row0, entry = bounds.padded_index(m_block * self.tile_m, batch)
             tile_idx = (entry, head, row0 // self.tile_m, wg)
             dst = mdQacc[(*tile_idx, None)].iterator.toint()
-            turn = Int32(0)
-            if const_expr(self.deterministic):  # worked out while the warpgroup computes the tile
+            if const_expr(self.deterministic):
+                # worked out and polled while the warpgroup computes the tile: even when the turn
+                # has already come, the acquire load's round trip would delay the smem hand-back
                 turn = self._dq_turn(n_block, m_block, m_block_min, m_block_max, kv_head, batch, bounds,
                                      window_left, window_right, mDqTurns)
-            count = mDqOrder.iterator + cute.crd2idx(tile_idx, mDqOrder.layout)  # (deterministic)
-            if const_expr(self.deterministic):
-                # the turn is polled while the tile is computed: even when it has already come,
-                # the acquire load's round trip would delay the hand-back of the smem tile
+                count = mDqOrder.iterator + cute.crd2idx(tile_idx, mDqOrder.layout)
                 if cute.arch.lane_idx() == 0:
                     wait_for_value(count, turn)
             cute.arch.barrier(barrier_id=BAR_DQ_FULL + wg, number_of_threads=DQ_BAR_THREADS)
