@@ -436,10 +436,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             acc_k_tiles = tuple(cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(self._block_fragments()))
             turns = None
             if cutlass.const_expr(self._block_fragments() == 1):
-                wg = cute.arch.make_warp_uniform(group_tidx // 128)
-                turns = self._block_turns(wg)
-                if wg == 1:
-                    turns[1].arrive()
+                turns = self._start_turns(cute.arch.make_warp_uniform(group_tidx // 128))
         if cutlass.const_expr(self.scale_mode == "tensor"):
             alpha = alpha * mScaleA[0] * mScaleB[0]
         if cutlass.const_expr(not self.direct_store):

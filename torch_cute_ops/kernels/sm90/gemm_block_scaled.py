@@ -39,11 +39,14 @@ class BlockScaledMainloop:
         """k-tile fragments per warpgroup: two while they fit beside the accumulator."""
         return 2 if self.tile_shape_mnk[1] <= SCALE_BLOCK else 1
 
-    def _block_turns(self, wg):
-        """The one-fragment schedule's turn barriers of warpgroup ``wg`` of the tile: (mine, the
-        other's). Warpgroup 1 must hand the first turn to warpgroup 0 (arrive on its barrier)."""
+    @cute.jit
+    def _start_turns(self, wg):
+        """The one-fragment schedule's turn barriers of warpgroup ``wg`` of the tile, (mine, the
+        other's), once per kernel: warpgroup 1 hands the first turn to warpgroup 0."""
         my_turn = pipeline.NamedBarrier(barrier_id=_TURN_BARRIER + wg, num_threads=self.tile_threads)
         other_turn = pipeline.NamedBarrier(barrier_id=_TURN_BARRIER + 1 - wg, num_threads=self.tile_threads)
+        if wg == 1:
+            other_turn.arrive()
         return my_turn, other_turn
 
     @cute.jit
@@ -65,9 +68,9 @@ class BlockScaledMainloop:
     @cute.jit
     def _scale_addresses(self, mScaleA, mScaleB, tCcC, acc, row_start, col_start, mn_shape, batch_idx, k_begin):
         """Byte addresses of this thread's scales (its rows' scale_a, then scale_b's blocks under
-        the tile's columns), each stepped by its k stride per k-tile: the loop does one 64-bit add
-        per load instead of the full index arithmetic (which had the consumers issue-bound,
-        bench/NOTES.md)."""
+        the tile's columns) and the k strides that step them per k-tile, (scale_a's, scale_b's):
+        the loop does one 64-bit add per load instead of the full index arithmetic (which had the
+        consumers issue-bound, bench/NOTES.md)."""
         # The wgmma C fragment of a thread holds values ((2 cols, 2 rows, n/8 col groups), m, 1):
         # its rows, and the tile's scale blocks of B, are the same for every k-tile.
         frag_rows = cute.size(acc, mode=[1]) * 2
@@ -78,19 +81,18 @@ class BlockScaledMainloop:
             rows[r] = cutlass.min(row_start + tCcC[((0, r % 2, 0), r // 2, 0)][0], last_row)
         col_block = col_start // SCALE_BLOCK
         scale_addr = cute.make_rmem_tensor((frag_rows + col_blocks,), Int64)
-        scale_step = cute.make_rmem_tensor((frag_rows + col_blocks,), Int64)
+        k_strides = tuple(Int64(stride) * (Float32.width // 8)
+                          for stride in (mScaleA.layout.stride[1], mScaleB.layout.stride[0]))
         for r in cutlass.range_constexpr(frag_rows):
             scale_addr[r] = mScaleA[rows[r], None, batch_idx].iterator.toint()
-            scale_step[r] = Int64(mScaleA.layout.stride[1]) * (Float32.width // 8)
         for b in cutlass.range_constexpr(col_blocks):
             # (a tile's last block may lie past N: it scales only columns that are not stored)
             block = col_block if b == 0 else cutlass.min(col_block + b, mScaleB.shape[1] - 1)
             scale_addr[frag_rows + b] = mScaleB[None, block, batch_idx].iterator.toint()
-            scale_step[frag_rows + b] = Int64(mScaleB.layout.stride[0]) * (Float32.width // 8)
         if cutlass.const_expr(self.stream_k):
             for i in cutlass.range_constexpr(frag_rows + col_blocks):
-                scale_addr[i] = scale_addr[i] + Int64(k_begin) * scale_step[i]
-        return scale_addr, scale_step
+                scale_addr[i] = scale_addr[i] + Int64(k_begin) * k_strides[0 if i < frag_rows else 1]
+        return scale_addr, k_strides, frag_rows
 
     @cute.jit
     def _mainloop_two_fragments(self, ab_pipeline, tiled_mma, acc, acc_k_tiles, tCrA, tCrB, read_state, num_k_tiles,
@@ -175,14 +177,14 @@ class BlockScaledMainloop:
         ``in_range`` false (a look-ahead past the last k-tile) reloads the previous k-tile's
         instead: the load stays unconditional (under a branch, ptxas moved the uniform scale_b
         into a uniform register right after its load, waiting there for the L2 round trip)."""
-        scale_addr, scale_step = scale_args
+        scale_addr, k_strides, frag_rows = scale_args
         for i in cutlass.range_constexpr(cute.size(scales)):
-            addr = scale_addr[i]
+            addr, step = scale_addr[i], k_strides[0 if i < frag_rows else 1]
             if cutlass.const_expr(in_range is not None):
-                addr = cutlass.select_(in_range, addr, addr - scale_step[i])
+                addr = cutlass.select_(in_range, addr, addr - step)
             ptr = cute.make_ptr(Float32, addr, cute.AddressSpace.gmem, assumed_align=4)
             scales[i] = cute.arch.load(ptr, Float32)
-            scale_addr[i] = addr + scale_step[i]
+            scale_addr[i] = addr + step
 
     @cute.jit
     def _issue_scaled_k_tile(self, ab_pipeline, tiled_mma, acc_k, scales, tCrA, tCrB, read_state, scale_args):
