@@ -96,11 +96,12 @@ FP8_CASES = [  # (scale mode, a, b, out, bias dtype, activation, tile)
                          ids=lambda c: f"{c[0]}-{c[6].tile_m}x{c[6].tile_n}")
 def test_fp8_ptx(case, tmp_path):
     """FP8 variants: e4m3/e5m2 WGMMA over 128-wide k-tiles (k32 instructions, 4 per k-tile and
-    warpgroup batch), no spills; the scales are read from global memory a fixed number of times
-    per thread: once in the epilogue for per-tensor / rowwise ones (2 values per row-pair, one
-    per column; a 16-bit bias one word per column pair), once per k-tile for blockwise ones (2
-    rows of A and B's block, two blocks under a 192-column tile, loaded where the k-tile's batch
-    is issued); a 192-column tile's warpgroups take turns on two named barriers."""
+    warpgroup batch), no spills; per-tensor / rowwise scales are read from global memory once, in
+    the epilogue (2 values per row-pair, one per column; a 16-bit bias one word per column pair);
+    blockwise ones come with each k-tile by TMA (two more loads under its stage's barrier) and are
+    read from shared memory where the k-tile's batch is issued (2 rows of scale_a, then scale_b's
+    block, two blocks under a 192-column tile); a 192-column tile's warpgroups take turns on two
+    named barriers."""
     from torch_cute_ops.runtime.gemm import scaled_spec
 
     mode, a_dtype, b_dtype, out_dtype, bias_dtype, activation, config = case
@@ -113,15 +114,20 @@ def test_fp8_ptx(case, tmp_path):
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
     scale_loads = len(re.findall(r"ld\.global(?:\.nc)?\.b32", ptx))
     columns_per_thread = config.tile_n // 4
-    # blockwise: each of the four places a k-tile's batch is issued from (the first, the loop's
-    # two, the odd last one) loads its 2 rows' scale_a and scale_b's block; one fragment (192
-    # columns): the first k-tile's and the loop's loads, of 2 rows and 2 blocks
-    expected = {"tensor": 2, "row": 2 + columns_per_thread, "block": 4 * 3 if config.tile_n <= 128 else 2 * 4}[mode]
+    expected = {"tensor": 2, "row": 2 + columns_per_thread, "block": 0}[mode]
     if bias_dtype == torch.float32:
         expected += columns_per_thread
     elif bias_dtype is not None:  # a 16-bit bias: one 32-bit word per pair of columns
         expected += columns_per_thread // 2
     assert scale_loads == expected, (scale_loads, expected)
+    if mode == "block":
+        tma_loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::(?:cta|cluster)\.global", ptx)
+        assert len(tma_loads) == 4, tma_loads  # A, B, scale_a, scale_b
+        # the four places a two-fragment loop issues a batch from (the first, the loop's two,
+        # the odd last one), 3 words each; the one-fragment loop's single place, 4 words
+        words = sum(2 if load.startswith("ld.shared.v2") else 1
+                    for load in re.findall(r"ld\.shared(?:\.v2)?\.b32", ptx))
+        assert words == (4 * 3 if config.tile_n <= 128 else 4), words
     if mode == "block" and config.tile_n <= 128:
         # the per-k-tile promotion, one FFMA per accumulator value, at its four places
         assert len(re.findall(r"\bfma\.rn\.f32", ptx)) >= 4 * 64 * config.tile_n // 128

@@ -104,6 +104,27 @@ def test_quantizers_feed_the_op_within_fp8_error(quantize, mode, kwargs):
     assert rel < (0.08 if kwargs.get("dtype") == E5M2 else 0.04), rel  # 3 / 2 mantissa bits
 
 
+def test_block_scales_reach_the_kernel_in_its_tma_layout():
+    """Blockwise scales go to the Hopper kernel's TMA M-contiguous (scale_a) and N-contiguous
+    (scale_b), the other strides and the address 16-byte aligned: the quantizer returns them so
+    (no copy per call), any other layout is copied with the same values, batched too."""
+    from torch_cute_ops.runtime.gemm import tma_block_scales
+    from torch_cute_ops.runtime.tma import tma_inner_ready
+
+    _, sa = fp8.quantize_blockwise(torch.randn(301, 512))
+    _, sb = fp8.quantize_blockwise(torch.randn(512, 300), operand="b")
+    assert sa.shape == (301, 4) and sa.stride() == (1, 304) and sb.shape == (4, 3) and sb.stride() == (4, 1)
+    ta, tb = tma_block_scales(sa, sb)
+    assert ta.data_ptr() == sa.data_ptr() and tb.data_ptr() == sb.data_ptr()
+    for scale_a, scale_b in ((torch.rand(301, 4), torch.rand(4, 3).t().contiguous().t()),  # row-major a, K-major b
+                             (torch.rand(3, 5, 4), torch.rand(3, 4, 6)),  # batched, odd M and N blocks
+                             (torch.rand(2, 64, 9)[:, 1:, 1:5], torch.rand(4, 8)[:, 1:4]),  # offset views
+                             (torch.rand(1, 2), torch.rand(2, 1))):  # one row, one block
+        ta, tb = tma_block_scales(scale_a, scale_b)
+        assert tma_inner_ready(ta, -2) and tma_inner_ready(tb, -1)
+        assert torch.equal(ta, scale_a) and torch.equal(tb, scale_b)
+
+
 def test_quantizer_scales_saturation_and_zero_blocks():
     x = torch.zeros(3, 256)
     x[0, :128] = torch.linspace(-900, 900, 128)  # amax 900 > e4m3's 448: scaled, not clipped

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .reference.scaled_gemm import BLOCK, FP8_DTYPES
+from .runtime.tma import tma_inner_layout
 
 
 def _fp8_max(dtype: torch.dtype) -> float:
@@ -69,7 +70,9 @@ def quantize_rowwise(x: torch.Tensor, operand: str = "a", dtype: torch.dtype = t
 def quantize_blockwise(x: torch.Tensor, operand: str = "a", dtype: torch.dtype = torch.float8_e4m3fn):
     """DeepSeek-V3's blocks: a (.., M, K) per 1 x 128 block -> scale (.., M, K / 128); b (.., K, N)
     per 128 x 128 block -> (.., K / 128, N / 128). K must be a multiple of 128; M and N may end
-    in a partial block. Laid out K-major (a row-major, b column-major)."""
+    in a partial block. Values laid out K-major (a row-major, b column-major); the scales M-major
+    for a (as torch._scaled_mm's 1 x 128 scales), N-major for b, padded to 16 bytes: the layout
+    the Hopper kernel loads them in (``runtime.tma.tma_inner_layout``)."""
     _check_input(x, (2, 3))
     if operand not in ("a", "b"):
         raise ValueError(f"operand: expected 'a' or 'b', got {operand!r}")
@@ -80,14 +83,19 @@ def quantize_blockwise(x: torch.Tensor, operand: str = "a", dtype: torch.dtype =
     if operand == "a":
         groups = x.unflatten(-1, (k // BLOCK, BLOCK))
         amax = groups.abs().amax(dim=-1)
-        return _quantize(x, amax, dtype, lambda s: s.repeat_interleave(BLOCK, dim=-1))
+        stored, scale = _quantize(x, amax, dtype, lambda s: s.repeat_interleave(BLOCK, dim=-1))
+        return stored, tma_inner_layout(scale, -2)
     n = x.shape[-1]
     pad = -n % BLOCK
     padded = torch.nn.functional.pad(x, (0, pad)) if pad else x
     groups = padded.unflatten(-1, (-1, BLOCK)).unflatten(-3, (k // BLOCK, BLOCK))  # (.., Kb, 128, Nb, 128)
     amax = groups.abs().amax(dim=(-3, -1))
-    return _quantize(x, amax, dtype,
-                     lambda s: s.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)[..., :n], "b")
+
+    def expand(s):
+        return s.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)[..., :n]
+
+    stored, scale = _quantize(x, amax, dtype, expand, "b")
+    return stored, tma_inner_layout(scale, -1)
 
 
 # ------------------------------------------------------------------------------ FP8 training

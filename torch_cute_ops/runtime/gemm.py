@@ -22,7 +22,7 @@ from .cache import get_compiled
 from .gemm_config import GemmConfig, choose_config, num_tiles, wave_fill
 from .scratch import scratch, zeroed_int32
 from .spec import KernelSpec
-from .tma import TMA_ALIGN_BYTES, tma_reason
+from .tma import TMA_ALIGN_BYTES, tma_inner_layout, tma_inner_ready, tma_reason
 
 ACTIVATIONS = ("relu", "gelu_tanh", "silu")  # the epilogues the kernels compile (kernels/common/activation.py)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
@@ -194,19 +194,32 @@ class GemmLaunch:
             self.fn(a, b, bias, out, alpha, self.grid, *self.workspace(out))
 
 
-class ScaledGemmLaunch(GemmLaunch):
-    """An FP8 variant's launch: the scales ride along (one-element ones as a 1-vector)."""
+def tma_block_scales(scale_a: torch.Tensor, scale_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise scales as the Hopper kernel's TMA loads them with each k-tile: scale_a ([L,] M,
+    K / 128) M-contiguous (torch._scaled_mm's layout for 1 x 128 scales), scale_b ([L,] K / 128,
+    N / 128) contiguous along N, the other strides and the address 16-byte aligned (what
+    ``fp8.quantize_blockwise`` returns); others are copied into that layout."""
+    return tuple(s if tma_inner_ready(s, inner) else tma_inner_layout(s, inner)
+                 for s, inner in ((scale_a, -2), (scale_b, -1)))
 
-    __slots__ = ("scalar_scales",)
+
+class ScaledGemmLaunch(GemmLaunch):
+    """An FP8 variant's launch: the scales ride along (one-element ones as a 1-vector, blockwise
+    ones in the layout the kernel's TMA reads, ``tma_block_scales``)."""
+
+    __slots__ = ("scalar_scales", "tma_scales")
 
     def __init__(self, fn, grid: int, a_view, b_view, out_view, spec: KernelSpec, swap: bool = False):
         super().__init__(fn, grid, a_view, b_view, out_view, spec, swap)
         self.scalar_scales = spec["scale"] == "tensor"
+        self.tma_scales = spec["scale"] == "block" and spec.arch == "sm_90a"
 
     def __call__(self, a, b, scale_a, scale_b, bias, out) -> None:
         a, b, out = self.views(a, b, out)
         if self.scalar_scales:
             scale_a, scale_b = scale_a.reshape(1), scale_b.reshape(1)
+        elif self.tma_scales:
+            scale_a, scale_b = tma_block_scales(scale_a, scale_b)
         if bias is None:
             self.fn(a, b, scale_a, scale_b, out, self.grid, *self.workspace(out))
         else:

@@ -30,3 +30,26 @@ def tma_reason(name: str, t: torch.Tensor, contiguous_dims: Sequence[int], check
     if check_pointer and t.device.type != "meta" and t.data_ptr() % TMA_ALIGN_BYTES:
         return f"{name}: data pointer is not {TMA_ALIGN_BYTES}-byte aligned (storage offset {t.storage_offset()})"
     return None
+
+
+def tma_inner_ready(t: torch.Tensor, inner: int) -> bool:
+    """Whether a kernel compiled for dim ``inner`` of stride 1 (and every other stride, and the
+    address, 16-byte aligned) can take ``t`` as it is."""
+    inner %= t.dim()
+    per_16b = TMA_ALIGN_BYTES // t.element_size()
+    return (t.stride(inner) == 1 and t.data_ptr() % TMA_ALIGN_BYTES == 0
+            and all(stride % per_16b == 0 for d, stride in enumerate(t.stride()) if d != inner))
+
+
+def tma_inner_layout(t: torch.Tensor, inner: int) -> torch.Tensor:
+    """A copy of ``t`` with dim ``inner`` contiguous and padded to 16 bytes, the other dims outer
+    in their order (a view of the padded buffer, of ``t``'s shape): ``tma_inner_ready``. Plain
+    tensor ops, so it traces under torch.compile."""
+    inner %= t.dim()
+    order = [d for d in range(t.dim()) if d != inner] + [inner]
+    padded = [t.shape[d] for d in order]
+    per_16b = TMA_ALIGN_BYTES // t.element_size()
+    padded[-1] = -(-padded[-1] // per_16b) * per_16b
+    buffer = t.new_empty(padded)[..., :t.shape[inner]]
+    buffer.copy_(t.permute(order))
+    return buffer.permute([order.index(d) for d in range(t.dim())])

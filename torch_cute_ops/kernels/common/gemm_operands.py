@@ -63,6 +63,17 @@ def scales_to_kernel_order(mS: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(mS.iterator, cute.select(mS.layout, mode=[1, 2, 0]))
 
 
+def fake_block_scales(rank: int, inner: int):
+    """Fake blockwise scales ([L,] R, C) as the Hopper kernel's TMA reads them: dim ``inner`` (-2:
+    scale_a's M, -1: scale_b's N blocks) contiguous, every other stride 16-byte divisible
+    (``runtime.gemm.tma_block_scales`` makes them so)."""
+    per_16b = TMA_ALIGN_BYTES // 4
+    stride = [cute.sym_int64(divisibility=per_16b) for _ in range(rank)]
+    stride[inner] = 1
+    shape = tuple(cute.sym_int32() for _ in range(rank))
+    return cute.runtime.make_fake_tensor(cutlass.Float32, shape, tuple(stride), assumed_align=TMA_ALIGN_BYTES)
+
+
 def fake_scales(scale_mode: str, rank: int):
     """Fake fp32 scales: one value (mode "tensor", a 1-element vector), else ([L,] R, C) of
     any strides (rowwise (M, 1) / (1, N), blockwise (M, K/128) / (K/128, N/128))."""

@@ -60,8 +60,8 @@ from ...runtime.gemm_config import GemmConfig
 from ...runtime.spec import KernelSpec
 from ...runtime.tma import TMA_ALIGN_BYTES
 from ..common.activation import apply_activation
-from ..common.gemm_operands import (fake_operand, fake_scales, scales_to_kernel_order, swapped_scales,
-                                    to_kernel_order, to_swapped_kernel_order)
+from ..common.gemm_operands import (fake_block_scales, fake_operand, fake_scales, scales_to_kernel_order,
+                                    swapped_scales, to_kernel_order, to_swapped_kernel_order)
 from ..common.tile_scheduler import PersistentTileScheduler, StreamKTileScheduler, stream_k_fixup
 from .gemm_block_scaled import SCALE_BLOCK, BlockScaledMainloop
 from .gemm_epilogue import GemmEpilogue
@@ -160,6 +160,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
     def _ab_stages(self) -> int:
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         stage_bytes = (tile_m * self.ab_dtype.width + tile_n * self.b_dtype.width) * tile_k // 8
+        stage_bytes += self._scale_stage_bytes()
         free = _SMEM_CAPACITY - _SMEM_RESERVED_BYTES - self._epi_smem_bytes()
         return min(free // stage_bytes, _MAX_AB_STAGES)
 
@@ -235,6 +236,10 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
                 cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), self.epi_tile,
             )
 
+        tma_atom_sa = tma_atom_sb = None
+        if cutlass.const_expr(self.scale_mode == "block"):  # the k-tiles' scales come with them
+            tma_atom_sa, mScaleA, tma_atom_sb, mScaleB = self._scale_tma_atoms(mScaleA, mScaleB)
+
         sched = self._scheduler(mC, cute.ceil_div(mA.shape[1], self.tile_shape_mnk[2]))
         grid = sched.grid_shape(max_clusters)
         sC_elems = 1 if self.direct_store else cute.cosize(sC_layout)
@@ -245,11 +250,14 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(sB_layout)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, sC_elems], 1024]
+            if self.scale_mode == "block":  # a k-tile's scales, a slot per A/B stage
+                sScaleA: cute.struct.Align[cute.struct.MemRange[Float32, self._scale_elems()[0]], 128]
+                sScaleB: cute.struct.Align[cute.struct.MemRange[Float32, self._scale_elems()[1]], 128]
 
         self.shared_storage = SharedStorage
         self.kernel(
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tensor_c, mBias, mScaleA, mScaleB,
-            mPartials, mFlags, alpha, tiled_mma, sA_layout, sB_layout, sC_layout,
+            mPartials, mFlags, alpha, tiled_mma, sA_layout, sB_layout, sC_layout, tma_atom_sa, tma_atom_sb,
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
@@ -271,7 +279,8 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor, tma_atom_b: cute.CopyAtom,
                mB_nkl: cute.Tensor, tma_atom_c, mC_mnl: cute.Tensor, mBias: cute.Tensor, mScaleA: cute.Tensor,
                mScaleB: cute.Tensor, mPartials, mFlags, alpha: Float32, tiled_mma: cute.TiledMma,
-               sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout):
+               sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout,
+               tma_atom_sa, tma_atom_sb):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = warp_idx // 4
@@ -290,6 +299,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
+        scale_smem = self._scale_smem(storage) if cutlass.const_expr(self.scale_mode == "block") else None
 
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
@@ -298,7 +308,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             # a stage is read (and released) by the warpgroups of one tile group
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile_threads),
             tx_count=cute.size_in_bytes(self.ab_dtype, cute.slice_(sA_layout, (None, None, 0)))
-            + cute.size_in_bytes(self.b_dtype, cute.slice_(sB_layout, (None, None, 0))),
+            + cute.size_in_bytes(self.b_dtype, cute.slice_(sB_layout, (None, None, 0))) + self._scale_stage_bytes(),
             cta_layout_vmnk=cute.make_layout((1, *cluster_layout_mnk.shape)),
             enable_multicast_signaling=True,
             defer_sync=True,
@@ -326,16 +336,18 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
             if warp_idx == 0:
                 self._produce(ab_pipeline, sched, tma_atom_a, tma_atom_b, mA_mkl, mB_nkl, gA, gB, sA, sB,
-                              cluster_layout_mnk, cluster_coord_mnk, num_k_tiles)
+                              cluster_layout_mnk, cluster_coord_mnk, num_k_tiles,
+                              (tma_atom_sa, tma_atom_sb, mScaleA, mScaleB, scale_smem))
         else:
             cute.arch.warpgroup_reg_alloc(self.mma_regs)
             self._consume(ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, mScaleA, mScaleB, alpha,
-                          sA, sB, sC, num_k_tiles, tidx - 128, (mPartials, mFlags))
+                          sA, sB, sC, num_k_tiles, tidx - 128, (mPartials, mFlags), scale_smem)
 
     @cute.jit
     def _produce(self, ab_pipeline, sched, tma_atom_a, tma_atom_b, mA_mkl, mB_nkl, gA, gB, sA, sB,
-                 cluster_layout_mnk, cluster_coord_mnk, num_k_tiles):
-        """TMA loads of every k-tile of every tile this CTA owns, ab_stages ahead of the MMAs."""
+                 cluster_layout_mnk, cluster_coord_mnk, num_k_tiles, scale_loads=None):
+        """TMA loads of every k-tile of every tile this CTA owns, ab_stages ahead of the MMAs
+        (with blockwise scales, each k-tile's scales under the same barrier: ``scale_loads``)."""
         # A is split over the CTAs of a cluster row, B over those of a cluster column
         a_cta_layout = cute.make_layout(cute.slice_(cluster_layout_mnk, (0, None, 0)).shape)
         tAsA, tAgA = cpasync.tma_partition(
@@ -362,6 +374,10 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
                                           batch_idx, self.tile_shape_mnk[1], False)
             else:
                 tBgB_tile = tBgB[(None, tile_n_idx, None, batch_idx)]
+            if cutlass.const_expr(self.scale_mode == "block"):
+                row_start = self._tile_start(tile_m_idx, mA_mkl.shape[0], self.tile_shape_mnk[0], True)
+                scale_tiles = self._scale_k_tiles(scale_loads, row_start, tile_n_idx * self.tile_shape_mnk[1],
+                                                  batch_idx)
             for k_tile in cutlass.range(k_count, unroll=1):
                 k_idx = k_tile if cutlass.const_expr(not self.stream_k) else k_begin + k_tile
                 ab_pipeline.producer_acquire(state)
@@ -370,6 +386,8 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
                           tma_bar_ptr=barrier, mcast_mask=a_mcast_mask)
                 cute.copy(tma_atom_b, tBgB_tile[(None, k_idx)], tBsB[(None, state.index)],
                           tma_bar_ptr=barrier, mcast_mask=b_mcast_mask)
+                if cutlass.const_expr(self.scale_mode == "block"):
+                    self._copy_scales(scale_loads, scale_tiles, k_idx, state.index, barrier)
                 ab_pipeline.producer_commit(state)
                 state.advance()
             work_idx += work_stride
@@ -418,7 +436,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
 
     @cute.jit
     def _consume(self, ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, mScaleA, mScaleB, alpha,
-                 sA, sB, sC, num_k_tiles, mma_tidx, workspace):
+                 sA, sB, sC, num_k_tiles, mma_tidx, workspace, scale_smem=None):
         """WGMMA main loop, then the fused epilogue, for every tile of this tile group."""
         group = mma_tidx // self.tile_threads
         group_tidx = mma_tidx % self.tile_threads
@@ -475,8 +493,8 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
                 my_turn.arrive_and_wait()
             if cutlass.const_expr(self.scale_mode == "block"):
                 read_state = self._mainloop_block_scaled(
-                    ab_pipeline, tiled_mma, acc, acc_k_tiles, turns, tCrA, tCrB, read_state, k_count, mScaleA,
-                    mScaleB, tCcC, row_start, col_start, mC_mnl.shape, batch_idx, k_begin)
+                    ab_pipeline, tiled_mma, acc, acc_k_tiles, turns, tCrA, tCrB, read_state, k_count, scale_smem,
+                    tCcC, col_start)
                 release_state = read_state.clone()
             else:
                 read_state, release_state = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, read_state,
@@ -585,6 +603,8 @@ def build(spec: KernelSpec):
         bias = (cute.runtime.make_fake_compact_tensor(bias_dtype, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES),)
     if scale_mode is not None:
         scales = (fake_scales(scale_mode, rank), fake_scales(scale_mode, rank))
+        if scale_mode == "block":  # loaded by TMA with the k-tiles (runtime.gemm.tma_block_scales)
+            scales = (fake_block_scales(rank, -2), fake_block_scales(rank, -1))
         fn = gemm.run_scaled_with_bias if gemm.has_bias else gemm.run_scaled
         return fn, (mA, mB, *scales, *bias, mC, Int32(1), stream, *workspace)
     fn = gemm.run_with_bias if gemm.has_bias else gemm.run

@@ -22,10 +22,12 @@ of the SM's 128, a 128 x 192 tile 138 (bench/NOTES.md).
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import warpgroup
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 SCALE_BLOCK = 128  # the K (and B's N) extent of one blockwise scale
+# a stage's scale_b slots: the tile's (at most two) blocks, a 16-byte TMA box
+SCALE_SLOTS_B = 4
 # named barriers of the one-fragment schedule's turns (ids 3 and 4; the cooperative
 # epilogue and the stream-K fixup use 1)
 _TURN_BARRIER = 3
@@ -49,80 +51,124 @@ class BlockScaledMainloop:
             other_turn.arrive()
         return my_turn, other_turn
 
+    # ---- scales: loaded by TMA with each k-tile, into a slot of its A/B stage ------------------
+    def _scale_stage_bytes(self) -> int:
+        """Bytes of a k-tile's scales: the tile's rows of scale_a and SCALE_SLOTS_B of scale_b."""
+        return (self.tile_shape_mnk[0] + SCALE_SLOTS_B) * 4 if self.scale_mode == "block" else 0
+
+    def _scale_elems(self) -> tuple:
+        """(scale_a, scale_b) fp32 slots over all stages."""
+        return self.tile_shape_mnk[0] * self.ab_stages, SCALE_SLOTS_B * self.ab_stages
+
+    def _scale_tma_atoms(self, mScaleA, mScaleB):
+        """TMA atoms and tensors of scale_a (M, K / 128, L), M contiguous, in boxes of the tile's
+        rows, and scale_b (K / 128, N / 128, L), N contiguous, in boxes of SCALE_SLOTS_B blocks
+        (runtime.gemm.tma_block_scales lays them out so)."""
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tile_m = self.tile_shape_mnk[0]
+        atom_a, tensor_a = cpasync.make_tiled_tma_atom(load, mScaleA, cute.make_layout((tile_m, 1)), (tile_m, 1))
+        atom_b, tensor_b = cpasync.make_tiled_tma_atom(
+            load, mScaleB, cute.make_layout((1, SCALE_SLOTS_B), stride=(SCALE_SLOTS_B, 1)), (1, SCALE_SLOTS_B))
+        return atom_a, tensor_a, atom_b, tensor_b
+
+    def _scale_smem(self, storage):
+        """(sScaleA (tile_m, 1, stages), sScaleB (1, SCALE_SLOTS_B, stages))."""
+        tile_m, stages = self.tile_shape_mnk[0], self.ab_stages
+        sScaleA = storage.sScaleA.get_tensor(cute.make_layout((tile_m, 1, stages)))
+        sScaleB = storage.sScaleB.get_tensor(
+            cute.make_layout((1, SCALE_SLOTS_B, stages), stride=(SCALE_SLOTS_B, 1, SCALE_SLOTS_B)))
+        return sScaleA, sScaleB
+
+    @cute.jit
+    def _scale_k_tiles(self, scale_loads, row_start, col_start, batch_idx):
+        """Producer: per k-tile TMA views of a tile's scales, (scale_a's gmem, its smem, scale_b's
+        gmem, its smem). scale_a's box starts at the tile's (moved) first row, scale_b's at the
+        tile's first block; boxes past M or the last block fill with zeros (rows and columns
+        that are never stored)."""
+        atom_a, atom_b, mScaleA, mScaleB, (sScaleA, sScaleB) = scale_loads
+        rows = cute.domain_offset((row_start, 0), mScaleA[None, None, batch_idx])
+        gScaleA = cute.local_tile(rows, (self.tile_shape_mnk[0], 1), (0, None))
+        blocks = cute.domain_offset((0, col_start // SCALE_BLOCK), mScaleB[None, None, batch_idx])
+        gScaleB = cute.local_tile(blocks, (1, SCALE_SLOTS_B), (None, 0))
+        one_cta = cute.make_layout(1)
+        tSAsSA, tSAgSA = cpasync.tma_partition(atom_a, 0, one_cta, cute.group_modes(sScaleA, 0, 2),
+                                               cute.group_modes(gScaleA, 0, 2))
+        tSBsSB, tSBgSB = cpasync.tma_partition(atom_b, 0, one_cta, cute.group_modes(sScaleB, 0, 2),
+                                               cute.group_modes(gScaleB, 0, 2))
+        return tSAgSA, tSAsSA, tSBgSB, tSBsSB
+
+    @cute.jit
+    def _copy_scales(self, scale_loads, scale_tiles, k_idx, stage, barrier):
+        """Producer: k-tile ``k_idx``'s scales into slot ``stage``, under the stage's barrier."""
+        atom_a, atom_b = scale_loads[0], scale_loads[1]
+        tSAgSA, tSAsSA, tSBgSB, tSBsSB = scale_tiles
+        cute.copy(atom_a, tSAgSA[(None, k_idx)], tSAsSA[(None, stage)], tma_bar_ptr=barrier)
+        cute.copy(atom_b, tSBgSB[(None, k_idx)], tSBsSB[(None, stage)], tma_bar_ptr=barrier)
+
+    @cute.jit
+    def _fragment_rows(self, acc, tCcC):
+        """This thread's rows inside the tile: the wgmma C fragment holds values ((2 cols, 2
+        rows, n/8 col groups), m, 1), its rows the same for every k-tile."""
+        frag_rows = cute.size(acc, mode=[1]) * 2
+        rows = cute.make_rmem_tensor((frag_rows,), Int32)
+        for r in cutlass.range_constexpr(frag_rows):
+            rows[r] = tCcC[((0, r % 2, 0), r // 2, 0)][0]
+        return rows
+
+    @cute.jit
+    def _read_scales(self, k_scales, scale_smem, rows, stage):
+        """A k-tile's scales from its stage's slot (the stage is full): this thread's rows'
+        scale_a, then scale_b of the tile's blocks, into ``k_scales``."""
+        sScaleA, sScaleB = scale_smem
+        frag_rows = cute.size(rows)
+        for r in cutlass.range_constexpr(frag_rows):
+            k_scales[r] = sScaleA[rows[r], 0, stage]
+        for b in cutlass.range_constexpr(cute.size(k_scales) - frag_rows):
+            k_scales[frag_rows + b] = sScaleB[0, b, stage]
+
     @cute.jit
     def _mainloop_block_scaled(self, ab_pipeline, tiled_mma, acc, acc_k_tiles, turns, tCrA, tCrB, read_state,
-                               num_k_tiles, mScaleA, mScaleB, tCcC, row_start, col_start, mn_shape, batch_idx,
-                               k_begin):
-        """acc = sum over k-tiles of (A_k @ B_k) * scale_a[row, k] * scale_b[k, col // 128], over
-        ``num_k_tiles`` k-tiles from ``k_begin`` (a stream-K segment's; 0 otherwise)."""
-        scale_args = self._scale_addresses(mScaleA, mScaleB, tCcC, acc, row_start, col_start, mn_shape, batch_idx,
-                                           k_begin)
+                               num_k_tiles, scale_smem, tCcC, col_start):
+        """acc = sum over this tile's (or stream-K segment's) ``num_k_tiles`` k-tiles of
+        (A_k @ B_k) * scale_a[row, k] * scale_b[k, col // 128]."""
+        rows = self._fragment_rows(acc, tCcC)
+        col_blocks = -(-self.tile_shape_mnk[1] // SCALE_BLOCK)
         if cutlass.const_expr(self._block_fragments() == 2):
             read_state = self._mainloop_two_fragments(ab_pipeline, tiled_mma, acc, acc_k_tiles, tCrA, tCrB,
-                                                      read_state, num_k_tiles, scale_args)
+                                                      read_state, num_k_tiles, scale_smem, rows, col_blocks)
         else:
             read_state = self._mainloop_one_fragment(ab_pipeline, tiled_mma, acc, acc_k_tiles[0], turns, tCrA, tCrB,
-                                                     read_state, num_k_tiles, scale_args, col_start)
+                                                     read_state, num_k_tiles, scale_smem, rows, col_blocks, col_start)
         return read_state
 
     @cute.jit
-    def _scale_addresses(self, mScaleA, mScaleB, tCcC, acc, row_start, col_start, mn_shape, batch_idx, k_begin):
-        """Byte addresses of this thread's scales (its rows' scale_a, then scale_b's blocks under
-        the tile's columns) and the k strides that step them per k-tile, (scale_a's, scale_b's):
-        the loop does one 64-bit add per load instead of the full index arithmetic (which had the
-        consumers issue-bound, bench/NOTES.md)."""
-        # The wgmma C fragment of a thread holds values ((2 cols, 2 rows, n/8 col groups), m, 1):
-        # its rows, and the tile's scale blocks of B, are the same for every k-tile.
-        frag_rows = cute.size(acc, mode=[1]) * 2
-        col_blocks = -(-self.tile_shape_mnk[1] // SCALE_BLOCK)
-        last_row = mn_shape[0] - 1
-        rows = cute.make_rmem_tensor((frag_rows,), Int32)
-        for r in cutlass.range_constexpr(frag_rows):
-            rows[r] = cutlass.min(row_start + tCcC[((0, r % 2, 0), r // 2, 0)][0], last_row)
-        col_block = col_start // SCALE_BLOCK
-        scale_addr = cute.make_rmem_tensor((frag_rows + col_blocks,), Int64)
-        k_strides = tuple(Int64(stride) * (Float32.width // 8)
-                          for stride in (mScaleA.layout.stride[1], mScaleB.layout.stride[0]))
-        for r in cutlass.range_constexpr(frag_rows):
-            scale_addr[r] = mScaleA[rows[r], None, batch_idx].iterator.toint()
-        for b in cutlass.range_constexpr(col_blocks):
-            # (a tile's last block may lie past N: it scales only columns that are not stored)
-            block = col_block if b == 0 else cutlass.min(col_block + b, mScaleB.shape[1] - 1)
-            scale_addr[frag_rows + b] = mScaleB[None, block, batch_idx].iterator.toint()
-        if cutlass.const_expr(self.stream_k):
-            for i in cutlass.range_constexpr(frag_rows + col_blocks):
-                scale_addr[i] = scale_addr[i] + Int64(k_begin) * k_strides[0 if i < frag_rows else 1]
-        return scale_addr, k_strides, frag_rows
-
-    @cute.jit
     def _mainloop_two_fragments(self, ab_pipeline, tiled_mma, acc, acc_k_tiles, tCrA, tCrB, read_state, num_k_tiles,
-                                scale_args):
+                                scale_smem, rows, col_blocks):
         """Each k-tile's batch accumulates from zero into one of two k-tile accumulators, taking
         turns, and is promoted into ``acc`` while the next k-tile's batch runs. A k-tile's scales
-        are loaded when its batch is issued, a k-tile before the promotion that uses them (loaded
-        at the top of their own k-tile, ptxas had placed their product between the WGMMAs, whose
-        issue then waited for an L2 trip: bench/NOTES.md)."""
-        # per k-tile accumulator: its scales, in the order of scale_addr
+        are read from its stage when its batch is issued (the stage is released before the
+        promotion)."""
         even, odd = acc_k_tiles
-        even_scales = cute.make_rmem_tensor(scale_args[0].shape, Float32)
-        odd_scales = cute.make_rmem_tensor(scale_args[0].shape, Float32)
+        even_scales = cute.make_rmem_tensor((cute.size(rows) + col_blocks,), Float32)
+        odd_scales = cute.make_rmem_tensor((cute.size(rows) + col_blocks,), Float32)
         acc.fill(0.0)
         release_state = read_state.clone()
-        self._issue_scaled_k_tile(ab_pipeline, tiled_mma, even, even_scales, tCrA, tCrB, read_state, scale_args)
+        self._issue_scaled_k_tile(ab_pipeline, tiled_mma, even, even_scales, tCrA, tCrB, read_state, scale_smem, rows)
         read_state.advance()
         # k-tiles 1, 2, then 3, 4, ...: odd ones into `odd`, even ones into `even`
         for pair in cutlass.range((num_k_tiles - 1) // 2, unroll=1):
             for issued, issued_scales, done, done_scales in ((odd, odd_scales, even, even_scales),
                                                              (even, even_scales, odd, odd_scales)):
                 self._issue_scaled_k_tile(ab_pipeline, tiled_mma, issued, issued_scales, tCrA, tCrB, read_state,
-                                          scale_args)
+                                          scale_smem, rows)
                 read_state.advance()
                 warpgroup.wait_group(1)  # the previous k-tile's batch is done, this one runs
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
                 self._promote(acc, done, done_scales)
         if (num_k_tiles - 1) % 2 == 1:  # one more, odd k-tile
-            self._issue_scaled_k_tile(ab_pipeline, tiled_mma, odd, odd_scales, tCrA, tCrB, read_state, scale_args)
+            self._issue_scaled_k_tile(ab_pipeline, tiled_mma, odd, odd_scales, tCrA, tCrB, read_state, scale_smem,
+                                      rows)
             read_state.advance()
             warpgroup.wait_group(1)
             ab_pipeline.consumer_release(release_state)
@@ -141,25 +187,21 @@ class BlockScaledMainloop:
 
     @cute.jit
     def _mainloop_one_fragment(self, ab_pipeline, tiled_mma, acc, acc_k, turns, tCrA, tCrB, read_state, num_k_tiles,
-                               scale_args, col_start):
-        """Per k-tile: wait for this warpgroup's turn, issue the batch into ``acc_k`` (from zero),
-        hand the turn over (the other warpgroup's batch queues behind this one), load the next
-        k-tile's scales, wait for the batch and promote it while the other's runs. The first
+                               scale_smem, rows, col_blocks, col_start):
+        """Per k-tile: wait for this warpgroup's turn, issue the batch into ``acc_k`` (from zero)
+        and read the k-tile's scales, hand the turn over (the other warpgroup's batch queues
+        behind this one), wait for the batch and promote it while the other's runs. The first
         scale block of B covers the tile's first 128 columns if the tile starts on a block, else
         64. (Handing the turn over only once the batch is done serializes the two warpgroups'
         batches with a gap between them: -10%, bench/NOTES.md.)"""
         my_turn, other_turn = turns
-        scales = cute.make_rmem_tensor(scale_args[0].shape, Float32)
-        next_scales = cute.make_rmem_tensor(scale_args[0].shape, Float32)
-        self._load_scales(scales, scale_args)
+        scales = cute.make_rmem_tensor((cute.size(rows) + col_blocks,), Float32)
         starts_on_block = col_start % SCALE_BLOCK == 0
         acc.fill(0.0)
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
             my_turn.arrive_and_wait()
-            ab_pipeline.consumer_wait(read_state)
-            self._mma_k_tile(tiled_mma, acc_k, tCrA, tCrB, read_state.index, zero_init=True)
+            self._issue_scaled_k_tile(ab_pipeline, tiled_mma, acc_k, scales, tCrA, tCrB, read_state, scale_smem, rows)
             other_turn.arrive()
-            self._load_scales(next_scales, scale_args, k_tile + 1 < num_k_tiles)
             warpgroup.wait_group(0)
             ab_pipeline.consumer_release(read_state)
             read_state.advance()
@@ -168,31 +210,16 @@ class BlockScaledMainloop:
                 self._promote(acc, acc_k, scales, first_block_groups=SCALE_BLOCK // 8)
             else:
                 self._promote(acc, acc_k, scales, first_block_groups=SCALE_BLOCK // 16)
-            scales.store(next_scales.load())
         return read_state
 
     @cute.jit
-    def _load_scales(self, scales, scale_args, in_range=None):
-        """Load a k-tile's scales into ``scales`` and step their addresses to the next k-tile.
-        ``in_range`` false (a look-ahead past the last k-tile) reloads the previous k-tile's
-        instead: the load stays unconditional (under a branch, ptxas moved the uniform scale_b
-        into a uniform register right after its load, waiting there for the L2 round trip)."""
-        scale_addr, k_strides, frag_rows = scale_args
-        for i in cutlass.range_constexpr(cute.size(scales)):
-            addr, step = scale_addr[i], k_strides[0 if i < frag_rows else 1]
-            if cutlass.const_expr(in_range is not None):
-                addr = cutlass.select_(in_range, addr, addr - step)
-            ptr = cute.make_ptr(Float32, addr, cute.AddressSpace.gmem, assumed_align=4)
-            scales[i] = cute.arch.load(ptr, Float32)
-            scale_addr[i] = addr + step
-
-    @cute.jit
-    def _issue_scaled_k_tile(self, ab_pipeline, tiled_mma, acc_k, scales, tCrA, tCrB, read_state, scale_args):
-        """Load the next k-tile's scales into ``scales`` and issue its batch into ``acc_k`` (from
-        zero) once its stage is full."""
-        self._load_scales(scales, scale_args)
+    def _issue_scaled_k_tile(self, ab_pipeline, tiled_mma, acc_k, k_scales, tCrA, tCrB, read_state, scale_smem,
+                             rows):
+        """Once the next k-tile's stage is full: issue its batch into ``acc_k`` (from zero) and
+        read its scales into ``k_scales``."""
         ab_pipeline.consumer_wait(read_state)
         self._mma_k_tile(tiled_mma, acc_k, tCrA, tCrB, read_state.index, zero_init=True)
+        self._read_scales(k_scales, scale_smem, rows, read_state.index)
 
     @cute.jit
     def _promote(self, acc, acc_k, scales, first_block_groups: cutlass.Constexpr = None):
