@@ -160,7 +160,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
     def _ab_stages(self) -> int:
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         stage_bytes = (tile_m * self.ab_dtype.width + tile_n * self.b_dtype.width) * tile_k // 8
-        stage_bytes += self._scale_stage_bytes()
+        stage_bytes += self._scale_smem_bytes()
         free = _SMEM_CAPACITY - _SMEM_RESERVED_BYTES - self._epi_smem_bytes()
         return min(free // stage_bytes, _MAX_AB_STAGES)
 

@@ -28,6 +28,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 SCALE_BLOCK = 128  # the K (and B's N) extent of one blockwise scale
 # a stage's scale_b slots: the tile's (at most two) blocks, a 16-byte TMA box
 SCALE_SLOTS_B = 4
+# a TMA load's shared-memory destination is 128-byte aligned: each stage's slot starts so
+_SLOT_ALIGN = 128 // 4
 # named barriers of the one-fragment schedule's turns (ids 3 and 4; the cooperative
 # epilogue and the stream-K fixup use 1)
 _TURN_BARRIER = 3
@@ -53,12 +55,21 @@ class BlockScaledMainloop:
 
     # ---- scales: loaded by TMA with each k-tile, into a slot of its A/B stage ------------------
     def _scale_stage_bytes(self) -> int:
-        """Bytes of a k-tile's scales: the tile's rows of scale_a and SCALE_SLOTS_B of scale_b."""
+        """Bytes a k-tile's scales bring (the stage barrier's count): the tile's rows of scale_a
+        and SCALE_SLOTS_B of scale_b."""
         return (self.tile_shape_mnk[0] + SCALE_SLOTS_B) * 4 if self.scale_mode == "block" else 0
+
+    def _scale_slots(self) -> tuple:
+        """fp32 elements of a stage's (scale_a, scale_b) slots, each a multiple of 128 bytes."""
+        return tuple(-(-n // _SLOT_ALIGN) * _SLOT_ALIGN for n in (self.tile_shape_mnk[0], SCALE_SLOTS_B))
+
+    def _scale_smem_bytes(self) -> int:
+        """Shared memory of a stage's scale slots."""
+        return sum(self._scale_slots()) * 4 if self.scale_mode == "block" else 0
 
     def _scale_elems(self) -> tuple:
         """(scale_a, scale_b) fp32 slots over all stages."""
-        return self.tile_shape_mnk[0] * self.ab_stages, SCALE_SLOTS_B * self.ab_stages
+        return tuple(n * self.ab_stages for n in self._scale_slots())
 
     def _scale_tma_atoms(self, mScaleA, mScaleB):
         """TMA atoms and tensors of scale_a (M, K / 128, L), M contiguous, in boxes of the tile's
@@ -74,9 +85,10 @@ class BlockScaledMainloop:
     def _scale_smem(self, storage):
         """(sScaleA (tile_m, 1, stages), sScaleB (1, SCALE_SLOTS_B, stages))."""
         tile_m, stages = self.tile_shape_mnk[0], self.ab_stages
-        sScaleA = storage.sScaleA.get_tensor(cute.make_layout((tile_m, 1, stages)))
+        slot_a, slot_b = self._scale_slots()
+        sScaleA = storage.sScaleA.get_tensor(cute.make_layout((tile_m, 1, stages), stride=(1, tile_m, slot_a)))
         sScaleB = storage.sScaleB.get_tensor(
-            cute.make_layout((1, SCALE_SLOTS_B, stages), stride=(SCALE_SLOTS_B, 1, SCALE_SLOTS_B)))
+            cute.make_layout((1, SCALE_SLOTS_B, stages), stride=(SCALE_SLOTS_B, 1, slot_b)))
         return sScaleA, sScaleB
 
     @cute.jit
