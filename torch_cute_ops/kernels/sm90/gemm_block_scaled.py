@@ -14,6 +14,13 @@ cores should not wait for a promotion; two schedules see to that:
   the other promotes. A 192-column tile straddles two scale blocks of B, starting on one or
   halfway through it; each column group takes its own block's scale.
 
+Scales: the producer loads each k-tile's with it, by TMA under the stage's barrier (the tile's
+rows of scale_a, a box of SCALE_SLOTS_B blocks of scale_b from the tile's first), into slots of
+the stage; a warpgroup reads its rows and the tile's blocks from there where it issues the
+k-tile's batch, before the stage is released. (Loaded by the consumers from global memory, the
+scales' latency reached the promotion; staged by a warp of their own under a second barrier, the
+consumers waited on that barrier: bench/NOTES.md.)
+
 The wider tile is about shared memory: per k-tile a warpgroup's WGMMAs read its A rows and all
 of B's columns, and TMA writes both; at the FP8 tensor rate a 128 x 128 tile needs 160 B/clk
 of the SM's 128, a 128 x 192 tile 138 (bench/NOTES.md).
