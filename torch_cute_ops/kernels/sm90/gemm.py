@@ -494,7 +494,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             if cutlass.const_expr(self.scale_mode == "block"):
                 read_state = self._mainloop_block_scaled(
                     ab_pipeline, tiled_mma, acc, acc_k_tiles, turns, tCrA, tCrB, read_state, k_count, scale_smem,
-                    tCcC, col_start)
+                    tCcC, row_start, col_start)
                 release_state = read_state.clone()
             else:
                 read_state, release_state = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, read_state,

@@ -14,10 +14,10 @@ cores should not wait for a promotion; two schedules see to that:
   the other promotes. A 192-column tile straddles two scale blocks of B, starting on one or
   halfway through it; each column group takes its own block's scale.
 
-Scales: the producer loads each k-tile's with it, by TMA under the stage's barrier (the tile's
-rows of scale_a, a box of SCALE_SLOTS_B blocks of scale_b from the tile's first), into slots of
-the stage; a warpgroup reads its rows and the tile's blocks from there where it issues the
-k-tile's batch, before the stage is released. (Loaded by the consumers from global memory, the
+Scales: the producer loads each k-tile's with it, by TMA under the stage's barrier (a box of
+scale_a's rows and one of scale_b's blocks, from the tile's first rounded down to 16 bytes),
+into slots of the stage; a warpgroup reads its rows and the tile's blocks from there where it
+issues the k-tile's batch, before the stage is released. (Loaded by the consumers from global memory, the
 scales' latency reached the promotion; staged by a warp of their own under a second barrier, the
 consumers waited on that barrier: bench/NOTES.md.)
 
@@ -33,8 +33,12 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 SCALE_BLOCK = 128  # the K (and B's N) extent of one blockwise scale
-# a stage's scale_b slots: the tile's (at most two) blocks, a 16-byte TMA box
-SCALE_SLOTS_B = 4
+# A scale box's start along its contiguous dim is 16-byte aligned (a box off that boundary
+# stopped the kernel on an illegal instruction): boxes start at the tile's first row (block)
+# rounded down to 4 fp32 and reach 4 past the tile's end.
+_BOX_ALIGN = 16 // 4
+# a stage's scale_b slots: the tile's (at most two) blocks after up to 3 of alignment
+SCALE_SLOTS_B = 8
 # a TMA load's shared-memory destination is 128-byte aligned: each stage's slot starts so
 _SLOT_ALIGN = 128 // 4
 # named barriers of the one-fragment schedule's turns (ids 3 and 4; the cooperative
@@ -61,14 +65,18 @@ class BlockScaledMainloop:
         return my_turn, other_turn
 
     # ---- scales: loaded by TMA with each k-tile, into a slot of its A/B stage ------------------
+    def _scale_box_a(self) -> int:
+        """Rows of a scale_a box: the tile's, after up to 3 of alignment."""
+        return self.tile_shape_mnk[0] + _BOX_ALIGN
+
     def _scale_stage_bytes(self) -> int:
-        """Bytes a k-tile's scales bring (the stage barrier's count): the tile's rows of scale_a
-        and SCALE_SLOTS_B of scale_b."""
-        return (self.tile_shape_mnk[0] + SCALE_SLOTS_B) * 4 if self.scale_mode == "block" else 0
+        """Bytes a k-tile's scales bring (the stage barrier's count): a box of scale_a and one of
+        scale_b."""
+        return (self._scale_box_a() + SCALE_SLOTS_B) * 4 if self.scale_mode == "block" else 0
 
     def _scale_slots(self) -> tuple:
         """fp32 elements of a stage's (scale_a, scale_b) slots, each a multiple of 128 bytes."""
-        return tuple(-(-n // _SLOT_ALIGN) * _SLOT_ALIGN for n in (self.tile_shape_mnk[0], SCALE_SLOTS_B))
+        return tuple(-(-n // _SLOT_ALIGN) * _SLOT_ALIGN for n in (self._scale_box_a(), SCALE_SLOTS_B))
 
     def _scale_smem_bytes(self) -> int:
         """Shared memory of a stage's scale slots."""
@@ -80,20 +88,20 @@ class BlockScaledMainloop:
 
     def _scale_tma_atoms(self, mScaleA, mScaleB):
         """TMA atoms and tensors of scale_a (M, K / 128, L), M contiguous, in boxes of the tile's
-        rows, and scale_b (K / 128, N / 128, L), N contiguous, in boxes of SCALE_SLOTS_B blocks
-        (runtime.gemm.tma_block_scales lays them out so)."""
+        rows (and alignment), and scale_b (K / 128, N / 128, L), N contiguous, in boxes of
+        SCALE_SLOTS_B blocks (runtime.gemm.tma_block_scales lays them out so)."""
         load = cpasync.CopyBulkTensorTileG2SOp()
-        tile_m = self.tile_shape_mnk[0]
-        atom_a, tensor_a = cpasync.make_tiled_tma_atom(load, mScaleA, cute.make_layout((tile_m, 1)), (tile_m, 1))
+        box_a = self._scale_box_a()
+        atom_a, tensor_a = cpasync.make_tiled_tma_atom(load, mScaleA, cute.make_layout((box_a, 1)), (box_a, 1))
         atom_b, tensor_b = cpasync.make_tiled_tma_atom(
             load, mScaleB, cute.make_layout((1, SCALE_SLOTS_B), stride=(SCALE_SLOTS_B, 1)), (1, SCALE_SLOTS_B))
         return atom_a, tensor_a, atom_b, tensor_b
 
     def _scale_smem(self, storage):
-        """(sScaleA (tile_m, 1, stages), sScaleB (1, SCALE_SLOTS_B, stages))."""
-        tile_m, stages = self.tile_shape_mnk[0], self.ab_stages
+        """(sScaleA (box rows, 1, stages), sScaleB (1, SCALE_SLOTS_B, stages))."""
+        box_a, stages = self._scale_box_a(), self.ab_stages
         slot_a, slot_b = self._scale_slots()
-        sScaleA = storage.sScaleA.get_tensor(cute.make_layout((tile_m, 1, stages), stride=(1, tile_m, slot_a)))
+        sScaleA = storage.sScaleA.get_tensor(cute.make_layout((box_a, 1, stages), stride=(1, box_a, slot_a)))
         sScaleB = storage.sScaleB.get_tensor(
             cute.make_layout((1, SCALE_SLOTS_B, stages), stride=(SCALE_SLOTS_B, 1, slot_b)))
         return sScaleA, sScaleB
@@ -102,12 +110,13 @@ class BlockScaledMainloop:
     def _scale_k_tiles(self, scale_loads, row_start, col_start, batch_idx):
         """Producer: per k-tile TMA views of a tile's scales, (scale_a's gmem, its smem, scale_b's
         gmem, its smem). scale_a's box starts at the tile's (moved) first row, scale_b's at the
-        tile's first block; boxes past M or the last block fill with zeros (rows and columns
-        that are never stored)."""
+        tile's first block, each rounded down to _BOX_ALIGN (``_scale_offsets``); boxes past M
+        or the last block fill with zeros (rows and columns that are never stored)."""
         atom_a, atom_b, mScaleA, mScaleB, (sScaleA, sScaleB) = scale_loads
-        rows = cute.domain_offset((row_start, 0), mScaleA[None, None, batch_idx])
-        gScaleA = cute.local_tile(rows, (self.tile_shape_mnk[0], 1), (0, None))
-        blocks = cute.domain_offset((0, col_start // SCALE_BLOCK), mScaleB[None, None, batch_idx])
+        row_offset, block_offset = self._scale_offsets(row_start, col_start)
+        rows = cute.domain_offset((row_start - row_offset, 0), mScaleA[None, None, batch_idx])
+        gScaleA = cute.local_tile(rows, (self._scale_box_a(), 1), (0, None))
+        blocks = cute.domain_offset((0, col_start // SCALE_BLOCK - block_offset), mScaleB[None, None, batch_idx])
         gScaleB = cute.local_tile(blocks, (1, SCALE_SLOTS_B), (None, 0))
         one_cta = cute.make_layout(1)
         tSAsSA, tSAgSA = cpasync.tma_partition(atom_a, 0, one_cta, cute.group_modes(sScaleA, 0, 2),
@@ -125,61 +134,70 @@ class BlockScaledMainloop:
         cute.copy(atom_b, tSBgSB[(None, k_idx)], tSBsSB[(None, stage)], tma_bar_ptr=barrier)
 
     @cute.jit
-    def _fragment_rows(self, acc, tCcC):
-        """This thread's rows inside the tile: the wgmma C fragment holds values ((2 cols, 2
-        rows, n/8 col groups), m, 1), its rows the same for every k-tile."""
+    def _scale_offsets(self, row_start, col_start):
+        """Where the tile's first row and first block of B sit in their scale boxes (which
+        start _BOX_ALIGN-aligned)."""
+        return row_start % _BOX_ALIGN, (col_start // SCALE_BLOCK) % _BOX_ALIGN
+
+    @cute.jit
+    def _scale_slot_index(self, acc, tCcC, row_start, col_start):
+        """Where this thread's scales sit in a stage's slots: (its rows' in scale_a's, the
+        tile's first block's in scale_b's). The wgmma C fragment holds values ((2 cols, 2 rows,
+        n/8 col groups), m, 1): its rows are the same for every k-tile."""
+        row_offset, block_offset = self._scale_offsets(row_start, col_start)
         frag_rows = cute.size(acc, mode=[1]) * 2
         rows = cute.make_rmem_tensor((frag_rows,), Int32)
         for r in cutlass.range_constexpr(frag_rows):
-            rows[r] = tCcC[((0, r % 2, 0), r // 2, 0)][0]
-        return rows
+            rows[r] = tCcC[((0, r % 2, 0), r // 2, 0)][0] + row_offset
+        return rows, block_offset
 
     @cute.jit
-    def _read_scales(self, k_scales, scale_smem, rows, stage):
-        """A k-tile's scales from its stage's slot (the stage is full): this thread's rows'
+    def _read_scales(self, k_scales, scale_smem, slot_index, stage):
+        """A k-tile's scales from its stage's slots (the stage is full): this thread's rows'
         scale_a, then scale_b of the tile's blocks, into ``k_scales``."""
         sScaleA, sScaleB = scale_smem
+        rows, first_block = slot_index
         frag_rows = cute.size(rows)
         for r in cutlass.range_constexpr(frag_rows):
             k_scales[r] = sScaleA[rows[r], 0, stage]
         for b in cutlass.range_constexpr(cute.size(k_scales) - frag_rows):
-            k_scales[frag_rows + b] = sScaleB[0, b, stage]
+            k_scales[frag_rows + b] = sScaleB[0, first_block + b, stage]
 
     @cute.jit
     def _mainloop_block_scaled(self, ab_pipeline, tiled_mma, acc, acc_k_tiles, turns, tCrA, tCrB, read_state,
-                               num_k_tiles, scale_smem, tCcC, col_start):
+                               num_k_tiles, scale_smem, tCcC, row_start, col_start):
         """acc = sum over this tile's (or stream-K segment's) ``num_k_tiles`` k-tiles of
         (A_k @ B_k) * scale_a[row, k] * scale_b[k, col // 128]."""
-        rows = self._fragment_rows(acc, tCcC)
-        col_blocks = -(-self.tile_shape_mnk[1] // SCALE_BLOCK)
+        slot_index = self._scale_slot_index(acc, tCcC, row_start, col_start)
+        num_scales = cute.size(slot_index[0]) + -(-self.tile_shape_mnk[1] // SCALE_BLOCK)
         if cutlass.const_expr(self._block_fragments() == 2):
             read_state = self._mainloop_two_fragments(ab_pipeline, tiled_mma, acc, acc_k_tiles, tCrA, tCrB,
-                                                      read_state, num_k_tiles, scale_smem, rows, col_blocks)
+                                                      read_state, num_k_tiles, scale_smem, slot_index, num_scales)
         else:
             read_state = self._mainloop_one_fragment(ab_pipeline, tiled_mma, acc, acc_k_tiles[0], turns, tCrA, tCrB,
-                                                     read_state, num_k_tiles, scale_smem, rows, col_blocks, col_start)
+                                                     read_state, num_k_tiles, scale_smem, slot_index, num_scales, col_start)
         return read_state
 
     @cute.jit
     def _mainloop_two_fragments(self, ab_pipeline, tiled_mma, acc, acc_k_tiles, tCrA, tCrB, read_state, num_k_tiles,
-                                scale_smem, rows, col_blocks):
+                                scale_smem, slot_index, num_scales):
         """Each k-tile's batch accumulates from zero into one of two k-tile accumulators, taking
         turns, and is promoted into ``acc`` while the next k-tile's batch runs. A k-tile's scales
         are read from its stage when its batch is issued (the stage is released before the
         promotion)."""
         even, odd = acc_k_tiles
-        even_scales = cute.make_rmem_tensor((cute.size(rows) + col_blocks,), Float32)
-        odd_scales = cute.make_rmem_tensor((cute.size(rows) + col_blocks,), Float32)
+        even_scales = cute.make_rmem_tensor((num_scales,), Float32)
+        odd_scales = cute.make_rmem_tensor((num_scales,), Float32)
         acc.fill(0.0)
         release_state = read_state.clone()
-        self._issue_scaled_k_tile(ab_pipeline, tiled_mma, even, even_scales, tCrA, tCrB, read_state, scale_smem, rows)
+        self._issue_scaled_k_tile(ab_pipeline, tiled_mma, even, even_scales, tCrA, tCrB, read_state, scale_smem, slot_index)
         read_state.advance()
         # k-tiles 1, 2, then 3, 4, ...: odd ones into `odd`, even ones into `even`
         for pair in cutlass.range((num_k_tiles - 1) // 2, unroll=1):
             for issued, issued_scales, done, done_scales in ((odd, odd_scales, even, even_scales),
                                                              (even, even_scales, odd, odd_scales)):
                 self._issue_scaled_k_tile(ab_pipeline, tiled_mma, issued, issued_scales, tCrA, tCrB, read_state,
-                                          scale_smem, rows)
+                                          scale_smem, slot_index)
                 read_state.advance()
                 warpgroup.wait_group(1)  # the previous k-tile's batch is done, this one runs
                 ab_pipeline.consumer_release(release_state)
@@ -187,7 +205,7 @@ class BlockScaledMainloop:
                 self._promote(acc, done, done_scales)
         if (num_k_tiles - 1) % 2 == 1:  # one more, odd k-tile
             self._issue_scaled_k_tile(ab_pipeline, tiled_mma, odd, odd_scales, tCrA, tCrB, read_state, scale_smem,
-                                      rows)
+                                      slot_index)
             read_state.advance()
             warpgroup.wait_group(1)
             ab_pipeline.consumer_release(release_state)
@@ -206,7 +224,7 @@ class BlockScaledMainloop:
 
     @cute.jit
     def _mainloop_one_fragment(self, ab_pipeline, tiled_mma, acc, acc_k, turns, tCrA, tCrB, read_state, num_k_tiles,
-                               scale_smem, rows, col_blocks, col_start):
+                               scale_smem, slot_index, num_scales, col_start):
         """Per k-tile: wait for this warpgroup's turn, issue the batch into ``acc_k`` (from zero)
         and read the k-tile's scales, hand the turn over (the other warpgroup's batch queues
         behind this one), wait for the batch and promote it while the other's runs. The first
@@ -214,12 +232,12 @@ class BlockScaledMainloop:
         64. (Handing the turn over only once the batch is done serializes the two warpgroups'
         batches with a gap between them: -10%, bench/NOTES.md.)"""
         my_turn, other_turn = turns
-        scales = cute.make_rmem_tensor((cute.size(rows) + col_blocks,), Float32)
+        scales = cute.make_rmem_tensor((num_scales,), Float32)
         starts_on_block = col_start % SCALE_BLOCK == 0
         acc.fill(0.0)
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
             my_turn.arrive_and_wait()
-            self._issue_scaled_k_tile(ab_pipeline, tiled_mma, acc_k, scales, tCrA, tCrB, read_state, scale_smem, rows)
+            self._issue_scaled_k_tile(ab_pipeline, tiled_mma, acc_k, scales, tCrA, tCrB, read_state, scale_smem, slot_index)
             other_turn.arrive()
             warpgroup.wait_group(0)
             ab_pipeline.consumer_release(read_state)
@@ -233,12 +251,12 @@ class BlockScaledMainloop:
 
     @cute.jit
     def _issue_scaled_k_tile(self, ab_pipeline, tiled_mma, acc_k, k_scales, tCrA, tCrB, read_state, scale_smem,
-                             rows):
+                             slot_index):
         """Once the next k-tile's stage is full: issue its batch into ``acc_k`` (from zero) and
         read its scales into ``k_scales``."""
         ab_pipeline.consumer_wait(read_state)
         self._mma_k_tile(tiled_mma, acc_k, tCrA, tCrB, read_state.index, zero_init=True)
-        self._read_scales(k_scales, scale_smem, rows, read_state.index)
+        self._read_scales(k_scales, scale_smem, slot_index, read_state.index)
 
     @cute.jit
     def _promote(self, acc, acc_k, scales, first_block_groups: cutlass.Constexpr = None):
