@@ -175,7 +175,8 @@ class BlockScaledMainloop:
                                                       read_state, num_k_tiles, scale_smem, slot_index, num_scales)
         else:
             read_state = self._mainloop_one_fragment(ab_pipeline, tiled_mma, acc, acc_k_tiles[0], turns, tCrA, tCrB,
-                                                     read_state, num_k_tiles, scale_smem, slot_index, num_scales, col_start)
+                                                     read_state, num_k_tiles, scale_smem, slot_index, num_scales,
+                                                     col_start)
         return read_state
 
     @cute.jit
@@ -190,7 +191,8 @@ class BlockScaledMainloop:
         odd_scales = cute.make_rmem_tensor((num_scales,), Float32)
         acc.fill(0.0)
         release_state = read_state.clone()
-        self._issue_scaled_k_tile(ab_pipeline, tiled_mma, even, even_scales, tCrA, tCrB, read_state, scale_smem, slot_index)
+        self._issue_scaled_k_tile(ab_pipeline, tiled_mma, even, even_scales, tCrA, tCrB, read_state, scale_smem,
+                                  slot_index)
         read_state.advance()
         # k-tiles 1, 2, then 3, 4, ...: odd ones into `odd`, even ones into `even`
         for pair in cutlass.range((num_k_tiles - 1) // 2, unroll=1):
@@ -237,7 +239,8 @@ class BlockScaledMainloop:
         acc.fill(0.0)
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
             my_turn.arrive_and_wait()
-            self._issue_scaled_k_tile(ab_pipeline, tiled_mma, acc_k, scales, tCrA, tCrB, read_state, scale_smem, slot_index)
+            self._issue_scaled_k_tile(ab_pipeline, tiled_mma, acc_k, scales, tCrA, tCrB, read_state, scale_smem,
+                                      slot_index)
             other_turn.arrive()
             warpgroup.wait_group(0)
             ab_pipeline.consumer_release(read_state)
