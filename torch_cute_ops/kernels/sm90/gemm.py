@@ -375,9 +375,10 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             else:
                 tBgB_tile = tBgB[(None, tile_n_idx, None, batch_idx)]
             if cutlass.const_expr(self.scale_mode == "block"):
+                # (the tile's first row and column as the consumers see them)
                 row_start = self._tile_start(tile_m_idx, mA_mkl.shape[0], self.tile_shape_mnk[0], True)
-                scale_tiles = self._scale_k_tiles(scale_loads, row_start, tile_n_idx * self.tile_shape_mnk[1],
-                                                  batch_idx)
+                col_start = self._tile_start(tile_n_idx, mB_nkl.shape[0], self.tile_shape_mnk[1], False)
+                scale_tiles = self._scale_k_tiles(scale_loads, row_start, col_start, batch_idx)
             for k_tile in cutlass.range(k_count, unroll=1):
                 k_idx = k_tile if cutlass.const_expr(not self.stream_k) else k_begin + k_tile
                 ab_pipeline.producer_acquire(state)

@@ -17,9 +17,9 @@ cores should not wait for a promotion; two schedules see to that:
 Scales: the producer loads each k-tile's with it, by TMA under the stage's barrier (a box of
 scale_a's rows and one of scale_b's blocks, from the tile's first rounded down to 16 bytes),
 into slots of the stage; a warpgroup reads its rows and the tile's blocks from there where it
-issues the k-tile's batch, before the stage is released. (Loaded by the consumers from global memory, the
-scales' latency reached the promotion; staged by a warp of their own under a second barrier, the
-consumers waited on that barrier: bench/NOTES.md.)
+issues the k-tile's batch, before the stage is released. (Loaded by the consumers from global
+memory, the scales' latency reached the promotion; staged by a warp of their own under a second
+barrier, the consumers waited on that barrier: bench/NOTES.md.)
 
 The wider tile is about shared memory: per k-tile a warpgroup's WGMMAs read its A rows and all
 of B's columns, and TMA writes both; at the FP8 tensor rate a 128 x 128 tile needs 160 B/clk
