@@ -123,6 +123,11 @@ def test_fp8_ptx(case, tmp_path):
     if mode == "block":
         tma_loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::(?:cta|cluster)\.global", ptx)
         assert len(tma_loads) == 4, tma_loads  # A, B, scale_a, scale_b
+        # the stage's byte count: A and B's k-tiles, then the scale boxes, which start 16-byte
+        # aligned (a box off that boundary faults): the tile's rows + 4, and 8 blocks of B
+        stage_bytes = (config.tile_m + config.tile_n) * 128 + (config.tile_m + 4 + 8) * 4
+        expect_tx = re.findall(r"mov\.b32\s+(%r\d+), (\d+);\s+mbarrier\.arrive\.expect_tx\S*\s+\S+ \[\S+\], \1;", ptx)
+        assert {int(value) for _, value in expect_tx} == {stage_bytes}, (expect_tx, stage_bytes)
         # the four places a two-fragment loop issues a batch from (the first, the loop's two,
         # the odd last one), 3 words each; the one-fragment loop's single place, 4 words
         words = sum(2 if load.startswith("ld.shared.v2") else 1
