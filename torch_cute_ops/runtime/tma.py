@@ -33,12 +33,10 @@ def tma_reason(name: str, t: torch.Tensor, contiguous_dims: Sequence[int], check
 
 
 def tma_inner_ready(t: torch.Tensor, inner: int) -> bool:
-    """Whether a kernel compiled for dim ``inner`` of stride 1 (and every other stride, and the
-    address, 16-byte aligned) can take ``t`` as it is."""
+    """Whether a kernel compiled for dim ``inner`` of stride 1 can take ``t`` as it is:
+    ``tma_reason``'s rule, with that dim's stride 1 even where its size is 1."""
     inner %= t.dim()
-    per_16b = TMA_ALIGN_BYTES // t.element_size()
-    return (t.stride(inner) == 1 and t.data_ptr() % TMA_ALIGN_BYTES == 0
-            and all(stride % per_16b == 0 for d, stride in enumerate(t.stride()) if d != inner))
+    return t.stride(inner) == 1 and tma_reason("", t, (inner,)) is None
 
 
 def tma_inner_layout(t: torch.Tensor, inner: int) -> torch.Tensor:

@@ -603,9 +603,10 @@ def build(spec: KernelSpec):
     if gemm.has_bias:
         bias = (cute.runtime.make_fake_compact_tensor(bias_dtype, (cute.sym_int32(),), assumed_align=TMA_ALIGN_BYTES),)
     if scale_mode is not None:
-        scales = (fake_scales(scale_mode, rank), fake_scales(scale_mode, rank))
         if scale_mode == "block":  # loaded by TMA with the k-tiles (runtime.gemm.tma_block_scales)
             scales = (fake_block_scales(rank, -2), fake_block_scales(rank, -1))
+        else:
+            scales = (fake_scales(scale_mode, rank), fake_scales(scale_mode, rank))
         fn = gemm.run_scaled_with_bias if gemm.has_bias else gemm.run_scaled
         return fn, (mA, mB, *scales, *bias, mC, Int32(1), stream, *workspace)
     fn = gemm.run_with_bias if gemm.has_bias else gemm.run
