@@ -1,7 +1,7 @@
 """FP8 GEMM speed on the GPU: ``tco.scaled_mm`` per scale mode vs torch._scaled_mm (cuBLAS) and
 vs this package's bf16 GEMM.
 
-    python bench/bench_fp8.py --out DIR [--quick] [--configs 128x128c2x1,...]
+    python bench/bench_fp8.py --out DIR [--quick] [--shapes MxNxK,...] [--configs 128x128c2x1,...]
 
 Random bf16 data quantized with ``torch_cute_ops.fp8`` (a (M, K) row-major, b (K, N) K-major:
 ``w.t()`` of a row-major (N, K) weight, the layout torch._scaled_mm needs too). Timed with
@@ -54,6 +54,7 @@ def main():
     parser.add_argument("--deepgemm", action="store_true", help="also DeepGEMM's published dense shapes")
     parser.add_argument("--decode", action="store_true", help="also decode-sized M (1 to 64) at the LLM widths")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--shapes", default="", help="MxNxK,... instead of the grid (e.g. 8192x8192x8192)")
     parser.add_argument("--configs", default="", help="extra tile configs to time bare (rowwise and blockwise "
                         "plans), e.g. '128x128c2x2,pp128x128c2x1' (pp = ping-pong)")
     args = parser.parse_args()
@@ -78,6 +79,8 @@ def main():
         shapes += [s for s in DEEPGEMM_H800 if s not in shapes]
     if args.decode:
         shapes += [s for s in DECODE_M_SHAPES if s not in shapes]
+    if args.shapes:
+        shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     cols = ["tco tensor", "torch tensor", "tco row", "torch row", "tco block", "tco bf16", "bare row"]
     print(f"{dev}\n{'M x N x K':>22} " + " ".join(f"{c:>12}" for c in cols)
           + f" {'tensor/torch':>12} {'row/torch':>9} {'block/row':>9} {'row/bf16':>8} {'DeepGEMM*':>9}")
@@ -127,13 +130,15 @@ def main():
               + f" {ratio(row['row/bf16'], 8)} {fmt(row['deepgemm_h800_published'], 9)}  "
               + " ".join(f"{name} {row[name]:.0f}" for name in times if name not in cols))
     bench_rows = [r for r in results["rows"] if tuple(r["shape"]) in set(ANCHOR_SHAPES + LLM_SHAPES)]
-    for key in ("tensor/torch", "row/torch"):
-        values = [r[key] for r in bench_rows]
-        results[f"geomean {key}"], results[f"min {key}"] = geomean(values), min(values)
     results["fallbacks"] = {f"{op}: {reason}": n for (op, reason), n in fallback.counts().items()}
-    print(f"\nGEMM bench shapes: tensor/torch geomean {results['geomean tensor/torch']:.3f} "
-          f"(min {results['min tensor/torch']:.3f}); row/torch geomean {results['geomean row/torch']:.3f} "
-          f"(min {results['min row/torch']:.3f}); fallbacks {results['fallbacks'] or 'none'}")
+    if bench_rows:
+        for key in ("tensor/torch", "row/torch"):
+            values = [r[key] for r in bench_rows]
+            results[f"geomean {key}"], results[f"min {key}"] = geomean(values), min(values)
+        print(f"\nGEMM bench shapes: tensor/torch geomean {results['geomean tensor/torch']:.3f} "
+              f"(min {results['min tensor/torch']:.3f}); row/torch geomean {results['geomean row/torch']:.3f} "
+              f"(min {results['min row/torch']:.3f})")
+    print(f"fallbacks: {results['fallbacks'] or 'none'}")
     decode_rows = [r for r in results["rows"] if tuple(r["shape"]) in set(DECODE_M_SHAPES)]
     if decode_rows:
         for key in ("tensor/torch", "row/torch"):
