@@ -86,3 +86,40 @@ def test_d256_backward_orders_its_dq_adds_by_default(monkeypatch, head_dim, caus
     q = torch.randn(1, 64, 2, head_dim).bfloat16()
     assert host.plan_bwd(q, q, q, causal).deterministic == ordered
     assert host.plan_bwd(q, q, q, causal, deterministic=True).deterministic
+
+
+def _fill_is_on():
+    return torch._C._get_deterministic_fill_uninitialized_memory()
+
+
+def test_outputs_written_in_full_skip_the_deterministic_fill(deterministic):
+    """Under torch's deterministic mode new tensors are filled first, unless made through
+    ``written_in_full`` (outputs and workspaces the kernel overwrites): the fill is off while
+    they are made and back on after, also when making them raises."""
+    from torch_cute_ops.runtime.unfilled import written_in_full
+    assert _fill_is_on()
+    assert written_in_full(_fill_is_on)  # mode off: nothing changes
+    deterministic()
+    assert written_in_full(_fill_is_on) is False
+    assert _fill_is_on()
+
+    def fails():
+        raise RuntimeError("out of memory")
+    with pytest.raises(RuntimeError):
+        written_in_full(fails)
+    assert _fill_is_on()
+    filled = torch.empty(4)  # PyTorch's own fill is untouched
+    assert torch.isnan(filled).all()
+
+
+def test_fill_left_off_stays_off(deterministic):
+    """A user who turned the fill off keeps it off."""
+    from torch_cute_ops.runtime.unfilled import written_in_full
+    import torch.utils.deterministic
+    deterministic()
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        assert written_in_full(_fill_is_on) is False
+        assert not _fill_is_on()
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = True

@@ -17,6 +17,7 @@ import torch
 from ..reference import attention as reference
 from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
 from ..runtime.tma import tma_reason
+from ..runtime.unfilled import written_in_full
 from . import checks, dispatch, fallback
 from .schemas import lib, qualname, register_impl
 
@@ -161,7 +162,7 @@ def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window
     if plan is not None and not isinstance(plan, str):
         reason = pointer_reason(("q", q), ("k", k), ("v", v))
         if reason is None:
-            out, lse = _fwd_outputs_like(q)
+            out, lse = written_in_full(_fwd_outputs_like, q)
             if padded:
                 plan.padded(q, k, v, key_start, key_end, out, lse, softmax_scale, left, right, softcap)
             elif attn_mask is not None:
@@ -265,7 +266,7 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
     if not isinstance(plan, str):
         reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
-            dq, dk, dv = empty_grads(q, k, v)
+            dq, dk, dv = written_in_full(empty_grads, q, k, v)
             if key_start is not None:
                 plan.padded(dout, q, k, v, out, lse.contiguous(), key_start, key_end, dq, dk, dv, softmax_scale,
                             left, right, softcap)

@@ -21,6 +21,7 @@ import torch
 from ..reference import attention as reference
 from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
 from ..runtime.tma import tma_reason
+from ..runtime.unfilled import written_in_full
 from . import checks, dispatch, fallback
 from .attention import _remember, _validate_softcap, empty_grads, validate_qkv_common
 from .schemas import lib, qualname, register_impl
@@ -123,7 +124,7 @@ def flash_attn_varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     if plan is not None and not isinstance(plan, str):
         reason = pointer_reason(("q", q), ("k", k), ("v", v))
         if reason is None:
-            out, lse = _fwd_outputs_like(q)
+            out, lse = written_in_full(_fwd_outputs_like, q)
             plan.packed(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), out, lse,
                         softmax_scale, left, right, softcap)
             return out, lse
@@ -213,7 +214,7 @@ def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
     if not isinstance(plan, str):
         reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
-            dq, dk, dv = empty_grads(q, k, v)
+            dq, dk, dv = written_in_full(empty_grads, q, k, v)
             plan.packed(dout, q, k, v, out, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                         int(max_seqlen_k), dq, dk, dv, softmax_scale, left, right, softcap)
             return dq, dk, dv

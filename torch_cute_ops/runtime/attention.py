@@ -40,6 +40,7 @@ from .lasting import lasting
 from .scratch import zeroed_int32
 from .spec import KernelSpec
 from .tma import TMA_ALIGN_BYTES, tma_reason
+from .unfilled import written_in_full
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -554,7 +555,12 @@ def _bwd_workspaces(batch: int, heads: int, stat_rows: int, accum_rows: int, hea
     """The backward's fp32 workspaces: delta and lse * log2(e) (batch, heads, stat_rows), padded to
     whole query blocks, and the dQ accumulator (batch, heads, query blocks of tile_m rows covering
     accum_rows, warpgroup, its tile in accumulator order: see kernels/sm90/flash_bwd.py), which the
-    kernel's preprocess zeroes."""
+    kernel's preprocess zeroes. Every value of them that the kernel reads, it writes first
+    (runtime.unfilled)."""
+    return written_in_full(_new_bwd_workspaces, batch, heads, stat_rows, accum_rows, head_dim, tile_m, device)
+
+
+def _new_bwd_workspaces(batch, heads, stat_rows, accum_rows, head_dim, tile_m, device) -> tuple:
     delta = torch.empty((batch, heads, stat_rows), dtype=torch.float32, device=device)
     lse_log2 = torch.empty((batch, heads, stat_rows), dtype=torch.float32, device=device)
     blocks = -(-accum_rows // tile_m)
