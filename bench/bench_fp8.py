@@ -47,6 +47,19 @@ def geomean(values):
     return math.exp(sum(map(math.log, values)) / len(values))
 
 
+def _summarize(results, shapes, prefix, label):
+    """Geomean and min of the ratios to torch._scaled_mm over the rows of ``shapes`` that ran."""
+    rows = [r for r in results["rows"] if tuple(r["shape"]) in set(shapes)]
+    if not rows:
+        return
+    for key in ("tensor/torch", "row/torch"):
+        values = [r[key] for r in rows]
+        results[f"{prefix}geomean {key}"], results[f"{prefix}min {key}"] = geomean(values), min(values)
+    print(f"{label} ({len(rows)} shapes): " + "; ".join(
+        f"{key} geomean {results[f'{prefix}geomean {key}']:.3f} (min {results[f'{prefix}min {key}']:.3f})"
+        for key in ("tensor/torch", "row/torch")))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results")
@@ -129,24 +142,11 @@ def main():
               + f" {ratio(row['tensor/torch'], 12)} {ratio(row['row/torch'], 9)} {ratio(row['block/row'], 9)}"
               + f" {ratio(row['row/bf16'], 8)} {fmt(row['deepgemm_h800_published'], 9)}  "
               + " ".join(f"{name} {row[name]:.0f}" for name in times if name not in cols))
-    bench_rows = [r for r in results["rows"] if tuple(r["shape"]) in set(ANCHOR_SHAPES + LLM_SHAPES)]
+    print()
+    _summarize(results, ANCHOR_SHAPES + LLM_SHAPES, "", "GEMM bench shapes")
+    _summarize(results, DECODE_M_SHAPES, "decode ", "decode M")
     results["fallbacks"] = {f"{op}: {reason}": n for (op, reason), n in fallback.counts().items()}
-    if bench_rows:
-        for key in ("tensor/torch", "row/torch"):
-            values = [r[key] for r in bench_rows]
-            results[f"geomean {key}"], results[f"min {key}"] = geomean(values), min(values)
-        print(f"\nGEMM bench shapes: tensor/torch geomean {results['geomean tensor/torch']:.3f} "
-              f"(min {results['min tensor/torch']:.3f}); row/torch geomean {results['geomean row/torch']:.3f} "
-              f"(min {results['min row/torch']:.3f})")
     print(f"fallbacks: {results['fallbacks'] or 'none'}")
-    decode_rows = [r for r in results["rows"] if tuple(r["shape"]) in set(DECODE_M_SHAPES)]
-    if decode_rows:
-        for key in ("tensor/torch", "row/torch"):
-            values = [r[key] for r in decode_rows]
-            results[f"decode geomean {key}"], results[f"decode min {key}"] = geomean(values), min(values)
-        print(f"decode M ({len(decode_rows)} shapes): tensor/torch geomean {results['decode geomean tensor/torch']:.3f}"
-              f" (min {results['decode min tensor/torch']:.3f}); row/torch geomean "
-              f"{results['decode geomean row/torch']:.3f} (min {results['decode min row/torch']:.3f})")
     print("* DeepGEMM: TFLOP/s published for an H800 (blockwise scales), not measured here")
     (out_dir / "fp8.json").write_text(json.dumps(results, indent=1))
 
