@@ -2,7 +2,8 @@
 ``scaled_dot_product_attention`` and at the launch level, against a float32 reference from the
 same rounded inputs.
 
-Masks: padding + causal (bool, (B, 1, S_q, S_k)), 2-D (S_q, S_k), per-head additive float masks
+Masks: padding + causal (bool, (B, 1, S_q, S_k)), 2-D (S_q, S_k), per-head bool masks, per-head
+additive float masks
 with -inf regions and finite biases, GQA, rows that see no key, odd sizes, head dims 64-256.
 Launch-level outputs are poisoned with NaN first.
 """
@@ -38,6 +39,8 @@ def _masks(kind, b, h, s_q, s_k, gen):
         mask = torch.rand(s_q, s_k, device="cuda", generator=gen) > 0.5
         mask[3] = False
         return mask
+    if kind == "random_heads":  # a bool mask per head, every block partial
+        return torch.rand(b, h, s_q, s_k, device="cuda", generator=gen) > 0.4
     if kind == "additive_heads":  # per-head biases, a hidden band, finite elsewhere
         bias = torch.randn(1, h, s_q, s_k, device="cuda", generator=gen)
         i = torch.arange(s_q, device="cuda")[:, None]
@@ -57,6 +60,8 @@ CASES = [
     ("padding_causal", 128, 3, 4, 2, 777, 777),
     ("padding_causal", 64, 2, 4, 4, 1000, 1000),
     ("2d_random", 128, 2, 4, 1, 333, 517),
+    ("2d_random", 256, 1, 2, 2, 333, 517),
+    ("random_heads", 64, 2, 4, 2, 200, 391),
     ("additive_heads", 128, 1, 4, 2, 700, 700),
     ("document", 256, 1, 2, 2, 1000, 1000),
     ("document", 96, 1, 2, 1, 640, 640),

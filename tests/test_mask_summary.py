@@ -1,5 +1,5 @@
 """The host-side summaries the masked kernels read (CPU): the block summary of an attn_mask, its
-live block ranges, and the bit-packed copy of a bool mask that the forward loads per row."""
+live block ranges, and the bit-packed copy of a bool mask that the kernels load per row."""
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ from torch_cute_ops.runtime.attention_mask import (
     BLOCK_EMPTY,
     BLOCK_FULL,
     BLOCK_PARTIAL,
+    bwd_mask_summary,
     live_ranges,
     mask_bits,
     mask_blocks,
@@ -46,6 +47,24 @@ def test_bits_of_a_strided_broadcast_mask():
     base = torch.rand(2, 1, 70, 50, generator=gen) > 0.5
     view = base.transpose(-1, -2).expand(2, 4, 50, 70)
     assert torch.equal(mask_bits(view, 50, 70, 64, 64), mask_bits(view.contiguous(), 50, 70, 64, 64))
+
+
+@pytest.mark.parametrize("keys_in_rows", [True, False])
+def test_backward_bits_follow_its_score_columns(keys_in_rows):
+    """The backward reads a bool mask packed along its scores' columns: queries where it computes
+    S transposed (rows are keys), keys otherwise; padding reads as hidden either way."""
+    gen = torch.Generator().manual_seed(5)
+    s_q, s_k, tiles = 77, 150, (64, 128) if keys_in_rows else (64, 64)
+    mask = torch.rand(2, 1, 1, s_k, generator=gen) > 0.3  # key padding, broadcast over queries
+    mask = mask & (torch.rand(s_q, s_k, generator=gen) > 0.2)
+    bits = bwd_mask_summary(mask, s_q, s_k, tiles, 1, keys_in_rows)[2]
+    visible = _unpack(bits)
+    rows, cols = (s_k, s_q) if keys_in_rows else (s_q, s_k)
+    expected = mask.transpose(-1, -2) if keys_in_rows else mask
+    assert visible.shape[-2] == -(-rows // tiles[1 if keys_in_rows else 0]) * tiles[1 if keys_in_rows else 0]
+    assert torch.equal(visible[..., :rows, :cols], expected)
+    assert not visible[..., rows:, :].any() and not visible[..., cols:].any()
+    assert bwd_mask_summary(mask.float(), s_q, s_k, tiles, 1, keys_in_rows)[2] is None
 
 
 def test_blocks_and_ranges_classify_every_block():

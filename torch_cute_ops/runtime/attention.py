@@ -609,8 +609,10 @@ class FlashBwdLaunch:
         batch, seqlen_q, heads, head_dim = q.shape
         seqlen_k, kv_heads = k.shape[1], k.shape[2]
         tiles = BWD_TILES[head_dim][:2]
-        blocks, ranges = mask_summary(attn_mask, ("bwd", seqlen_q, seqlen_k, tiles, kv_heads),
-                                      lambda: bwd_mask_summary(attn_mask, seqlen_q, seqlen_k, tiles, kv_heads))
+        keys_in_rows = tiles[1] == 128  # the kernel's S is transposed (FlashBwdSm90.swap_sdp)
+        blocks, ranges, bits = mask_summary(
+            attn_mask, ("bwd", seqlen_q, seqlen_k, tiles, kv_heads),
+            lambda: bwd_mask_summary(attn_mask, seqlen_q, seqlen_k, tiles, kv_heads, keys_in_rows))
         delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
                                                     head_dim, self.tile_m, q.device)
         m_blocks, n_blocks = blocks.shape[-2:]
@@ -621,7 +623,8 @@ class FlashBwdLaunch:
                 ranges, m_blocks).expand(batch, kv_heads, n_blocks, m_blocks).contiguous())
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum, turns),
                 self.unused, self.unused, 0, 0,
-                kernel_mask(attn_mask, batch, heads, seqlen_q, seqlen_k),
+                kernel_mask(attn_mask, batch, heads, seqlen_q, seqlen_k) if bits is None
+                else bits.expand(batch, heads, *bits.shape[2:]),
                 blocks.expand(batch, heads, m_blocks, n_blocks), ranges.expand(batch, kv_heads, n_blocks, 2),
                 softmax_scale, 0, 0, 0.0)
 

@@ -109,12 +109,21 @@ def fwd_mask_summary(attn_mask, seqlen_q: int, seqlen_k: int, tiles: tuple[int, 
     return blocks, live_ranges(blocks), bits
 
 
-def bwd_mask_summary(attn_mask, seqlen_q: int, seqlen_k: int, tiles: tuple[int, int], kv_heads: int):
-    """Blocks at the backward's tiles, and per (batch, kv head, key block) the query blocks that any
-    head of the GQA group sees."""
+def bwd_mask_summary(attn_mask, seqlen_q: int, seqlen_k: int, tiles: tuple[int, int], kv_heads: int,
+                     keys_in_rows: bool):
+    """Blocks at the backward's tiles, per (batch, kv head, key block) the query blocks that any
+    head of the GQA group sees, and a bool mask's bits (None for an additive one): packed along
+    the backward's score columns, queries where its scores are transposed (``keys_in_rows``: rows
+    are keys, bit ``i`` of word ``w`` query ``32 w + i``), else keys as for the forward."""
     blocks = mask_blocks(attn_mask, seqlen_q, seqlen_k, *tiles)
     per_group = blocks
     if blocks.shape[1] > 1:  # the mask differs per head: the union over each group
         b, h, m, n = blocks.shape
         per_group = blocks.view(b, kv_heads, h // kv_heads, m, n).amax(dim=2)
-    return blocks, live_ranges(per_group.transpose(2, 3))
+    bits = None
+    if attn_mask.dtype == torch.bool:
+        if keys_in_rows:
+            bits = mask_bits(as_4d(attn_mask).transpose(2, 3), seqlen_k, seqlen_q, tiles[1], tiles[0])
+        else:
+            bits = mask_bits(attn_mask, seqlen_q, seqlen_k, *tiles)
+    return blocks, live_ranges(per_group.transpose(2, 3)), bits

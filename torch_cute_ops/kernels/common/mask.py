@@ -9,7 +9,7 @@ query block visits, and which scores of a visited block are masked.
 * :func:`mask_scores`: -inf outside the causal or local band and past ``seqlen_k``;
 * :func:`apply_attn_mask`: PyTorch's ``attn_mask`` (bool or additive) on the key blocks that
   its block summary marks partial (:data:`BLOCK_FULL` blocks need none, empty ones are
-  skipped); the forward reads a bool mask bit-packed instead (:func:`load_mask_words`,
+  skipped); a bool mask is read bit-packed instead (:func:`load_mask_words`,
   :func:`apply_mask_words`): one vector load per row and block, issued under the GEMMs;
 * :func:`apply_softcap`: logit soft-capping, before the mask (masked scores stay -inf).
 """
@@ -246,9 +246,10 @@ def load_mask_words(mBits: cute.Tensor, tScS: cute.Tensor, row_start: Int32, col
 def apply_mask_words(acc_s: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, words: cute.Tensor):
     """A bool attn_mask from :func:`load_mask_words` on one block of scores: -inf where the bit is
     0. A thread's columns are thread 0's plus an offset below 8 (WGMMA accumulator layout), so
-    one shift per word aligns them and every bit index is static."""
+    one shift per word aligns them and every bit index is static; where warpgroups split the
+    columns, a 32-column multiple more, and the words start at the thread's own columns."""
     acc = acc_as_rows_cols(acc_s)
-    lane_cols = tScS[0, 0][1] - t0ScS[0, 0][1]
+    lane_cols = (tScS[0, 0][1] - t0ScS[0, 0][1]) & 31
     for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
         aligned = cute.make_rmem_tensor(cute.size(words, mode=[1]), Int32)
         for w in cutlass.range_constexpr(cute.size(words, mode=[1])):

@@ -2,9 +2,10 @@
 
 * ``mask``: PyTorch's attn_mask as a (B, H_q, S_q, S_k) view with any strides (broadcast dims
   stride 0, nothing materialized); bool masks as uint8, additive ones in the inputs' dtype.
-  The forward reads a bool mask bit-packed instead: int32 (B, H_q, rows, words), bit ``i`` of
+  The kernels read a bool mask bit-packed instead: int32 (B, H_q, rows, words), bit ``i`` of
   word ``w`` is key ``32 w + i``, rows and words padded to whole tiles, words contiguous and
-  rows 16-byte aligned (one vector load per row and key block);
+  rows 16-byte aligned (one vector load per row and block); the backward's, where it computes
+  S transposed, is packed the other way (rows are keys, bits queries);
 * ``blocks``: its block summary at the kernel's (tile_m, tile_n), int8 ``BLOCK_*`` per
   (batch, head, query block, key block);
 * ``ranges``: int32 (first, past-last) live block per row of the summary: the key blocks of a

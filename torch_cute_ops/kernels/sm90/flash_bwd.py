@@ -51,7 +51,7 @@ from ..common.flash_common import (
     LOG2_E, acc_as_rows_cols, convert_to_16bit, swizzled_smem_layout, tiled_wgmma, transposed_view, warpgroup_gemm,
 )
 from ..common.mask import (
-    BLOCK_FULL, apply_attn_mask, apply_softcap, mask_scores, query_block_range,
+    BLOCK_FULL, apply_attn_mask, apply_mask_words, apply_softcap, load_mask_words, mask_scores, query_block_range,
 )
 from ..common.mask_args import mask_fakes
 from ..common.seqlen import SeqBounds, seq_major, store_rows
@@ -525,6 +525,7 @@ class FlashBwdSm90(DqAccumulation):
         for _ in cutlass.range(group * num_m, unroll=1):
             q_idx, do_idx = state_q.index, state_do.index
             pds_idx = q_idx if const_expr(self.pds_stages == self.num_stages) else 0
+            words = self._mask_words(user_mask, tScS, m_block, n_block, head, batch)  # before the waits
             # S = Q K^T, then dP = dO V^T
             pipe_q.consumer_wait(state_q)
             if const_expr(swap):
@@ -540,7 +541,7 @@ class FlashBwdSm90(DqAccumulation):
 
             # P = exp2(S * scale * log2(e) - lse * log2(e))
             self._cap_and_mask(acc_S, tScS, t0ScS, cap_scale, m_block, n_block, head, batch, last_key, offset,
-                               seqlen_q, seqlen_k, window_left, window_right, user_mask)
+                               seqlen_q, seqlen_k, window_left, window_right, user_mask, words)
             for query, coords in by_query:
                 lse_log2 = sLSE[query, q_idx]
                 for rc in coords:
@@ -611,19 +612,40 @@ class FlashBwdSm90(DqAccumulation):
                         mdK, mdV, mdK_rows, mdV_rows, tidx, n_block, kv_head, batch, bounds)
 
     @cute.jit
+    def _mask_words(self, user_mask, tScS, m_block, n_block, head, batch):
+        """A bool attn_mask's bits for this thread's scores of one (query block, key block), loaded
+        as words (``load_mask_words``; None for other variants). The mask is packed along the
+        scores' columns: queries where S is computed transposed (``swap_sdp``), else keys, which
+        the warpgroups split (the words of this warpgroup's half)."""
+        words = None
+        if const_expr(self.attn_mask == "bool"):
+            mBits = user_mask[0][batch, head, None, None]
+            if const_expr(self.swap_sdp):
+                words = load_mask_words(mBits, tScS, n_block * self.tile_n, m_block * self.tile_m, self.tile_m)
+            else:
+                half = self.tile_n // 2
+                own_cols = tScS[0, 0][1] // half * half
+                words = load_mask_words(mBits, tScS, m_block * self.tile_m, n_block * self.tile_n + own_cols, half)
+        return words
+
+    @cute.jit
     def _cap_and_mask(self, acc_S, tScS, t0ScS, cap_scale, m_block, n_block, head, batch, last_key, offset,
-                      seqlen_q, seqlen_k, window_left, window_right, user_mask):
+                      seqlen_q, seqlen_k, window_left, window_right, user_mask, words):
         """Scores of one (query block, key block) before the exp: softcap, then the attn_mask's
-        values where its block summary says partial, then -inf outside the band and past the
-        keys when the block crosses an edge."""
+        values where its block summary says partial (a bool one from ``words``, see
+        :meth:`_mask_words`), then -inf outside the band and past the keys when the block crosses
+        an edge."""
         mMask, mMaskBlocks, inv_scale = user_mask
         if const_expr(self.softcap):  # capped before the mask: masked scores stay -inf
             apply_softcap(acc_S, cap_scale)
         if const_expr(self.masked):  # attn_mask values where the block is not full
             if mMaskBlocks[batch, head, m_block, n_block] != BLOCK_FULL:
-                apply_attn_mask(acc_S, tScS, mMask[batch, head, None, None], m_block * self.tile_m,
-                                n_block * self.tile_n, seqlen_q, seqlen_k, self.attn_mask == "add",
-                                inv_scale, keys_in_rows=self.swap_sdp)
+                if const_expr(self.attn_mask == "bool"):
+                    apply_mask_words(acc_S, tScS, t0ScS, words)
+                else:
+                    apply_attn_mask(acc_S, tScS, mMask[batch, head, None, None], m_block * self.tile_m,
+                                    n_block * self.tile_n, seqlen_q, seqlen_k, True, inv_scale,
+                                    keys_in_rows=self.swap_sdp)
         needs_mask = last_key >= seqlen_k
         if const_expr(self.causal):
             needs_mask = needs_mask | (last_key > m_block * self.tile_m + offset)
@@ -728,7 +750,7 @@ def build(spec: KernelSpec):
             Int32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
             stride_order=(3, 2, 1, 0), assumed_align=4),
         cu_seqlens(), cu_seqlens(), Int32(0), Int32(0),  # row bounds (common.seqlen), max_seqlen (q, k)
-        *mask_fakes(spec["attn_mask"], dtype),
+        *mask_fakes(spec["attn_mask"], dtype, bool_as_bits=True),
         Float32(1.0), Int32(0), Int32(0), Float32(1.0),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
