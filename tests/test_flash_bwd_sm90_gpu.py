@@ -142,7 +142,8 @@ def test_flash_bwd_matches_fp32_reference(case):
 
 
 @pytest.mark.parametrize("case", ["causal", "causal-short-q", "window", "window-both-sides", "varlen", "padded",
-                                  "gqa-full", "mask", "d64-full", "d256-causal", "d256-full", "public-flag"])
+                                  "gqa-full", "long-full", "mask", "d64-full", "d256-causal", "d256-full",
+                                  "public-flag"])
 def test_deterministic_mode_gives_bitwise_reproducible_gradients(case):
     """torch.use_deterministic_algorithms(True) (or ``deterministic=True`` on the public function)
     selects the ordered backward variant (dQ's key blocks added from the last one down, each
@@ -152,17 +153,19 @@ def test_deterministic_mode_gives_bitwise_reproducible_gradients(case):
     the allocator's free blocks instead: an unwritten element stays NaN. The cases cover each way a
     turn is counted (dense, causal with either length longer, windows, ragged and padded
     lengths, a mask's block ranges, full walks that start at different query blocks (12 key blocks)
-    and D256's 24, too many for that, which walk in step) and the head dims' tile shapes."""
+    and those of 24 at D128 and D256, too many for that, which walk in step and launch six heads
+    in turn, a last group short) and the head dims' tile shapes."""
     import torch_cute_ops as tco
     from torch_cute_ops.ops import fallback
 
     torch.manual_seed(0)
     heads_kv = 2 if case == "gqa-full" else 4
-    seqlen_q = 700 if case == "causal-short-q" else 1500
+    seqlen_k = 3000 if case == "long-full" else 1500
+    seqlen_q = 700 if case == "causal-short-q" else seqlen_k
     head_dim = {"d64-full": 64, "d256-causal": 256, "d256-full": 256}.get(case, 128)
     make = lambda heads, seqlen: torch.randn(2, seqlen, heads, head_dim, device="cuda",  # noqa: E731
                                              dtype=torch.bfloat16, requires_grad=True)
-    q, k, v = make(4, seqlen_q), make(heads_kv, 1500), make(heads_kv, 1500)
+    q, k, v = make(4, seqlen_q), make(heads_kv, seqlen_k), make(heads_kv, seqlen_k)
     dout = torch.randn(2, seqlen_q, 4, head_dim, device="cuda", dtype=torch.bfloat16)
     flag = {"deterministic": True} if case == "public-flag" else {}
     if case == "varlen":
@@ -182,7 +185,7 @@ def test_deterministic_mode_gives_bitwise_reproducible_gradients(case):
         call = lambda **det: tco.flash_attn_func(q, k, v, causal=True, **bounds, **det)  # noqa: E731
     else:
         window = {"window": (300, 0), "window-both-sides": (200, 150)}.get(case, (-1, -1))
-        kwargs = {"causal": case not in ("gqa-full", "window-both-sides", "d64-full", "d256-full"),
+        kwargs = {"causal": case not in ("gqa-full", "long-full", "window-both-sides", "d64-full", "d256-full"),
                   "window_size": window}
         call = lambda **det: tco.flash_attn_func(q, k, v, **kwargs, **det)  # noqa: E731
     default = torch.autograd.grad(call(), (q, k, v), dout)

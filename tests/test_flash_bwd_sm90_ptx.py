@@ -113,7 +113,9 @@ def test_deterministic_variant_orders_the_dq_adds(tmp_path):
 def test_deterministic_plan_allocates_the_add_counts(monkeypatch):
     """plan_bwd(deterministic=True) picks the ordered variant, whose launch hands the kernel one
     zeroed int32 per dQ accumulator tile; the default plan hands a placeholder of the same rank
-    (the compiled signature checks ranks: a 1-D placeholder fails every default launch)."""
+    (the compiled signature checks ranks: a 1-D placeholder fails every default launch), and how
+    many heads' key blocks launch in turn: the resident CTAs (one per SM) over a head's key
+    blocks, rounded up."""
     import torch
 
     calls = []
@@ -122,6 +124,7 @@ def test_deterministic_plan_allocates_the_add_counts(monkeypatch):
     monkeypatch.setattr(flash_host, "_unused_counter", lambda index: placeholder)
     monkeypatch.setattr(flash_host, "_mask_placeholders", lambda index: ("mask", "blocks", "ranges"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(flash_host, "num_sms", lambda index: 132)
     q = torch.randn(2, 300, 4, 128).bfloat16()
     grads = [torch.empty_like(q) for _ in range(3)]
     for deterministic in (True, False):
@@ -129,7 +132,8 @@ def test_deterministic_plan_allocates_the_add_counts(monkeypatch):
         plan(q, q, q, q, q, torch.zeros(2, 4, 300), *grads, 0.1)
         spec, args = calls[-1]
         assert spec.get("deterministic", False) == deterministic
-        dq_accum, order = args[11], args[12]
+        dq_accum, order, interleave = args[11], args[12], args[14]
+        assert interleave == (44 if deterministic else 1)  # 132 SMs over 3 key blocks of 128
         if deterministic:
             assert order.dtype == torch.int32 and tuple(order.shape) == tuple(dq_accum.shape[:4])
             assert not order.any()

@@ -572,33 +572,39 @@ def _new_bwd_workspaces(batch, heads, stat_rows, accum_rows, head_dim, tile_m, d
 class FlashBwdLaunch:
     """The backward of one input layout: writes dq, dk, dv (preallocated, contiguous)."""
 
-    __slots__ = ("fn", "device_index", "deterministic", "unused", "unused_order", "tile_m")
+    __slots__ = ("fn", "device_index", "deterministic", "unused", "unused_order", "tile_m", "tile_n", "num_sms")
 
     def __init__(self, spec: KernelSpec, device_index: int):
         self.fn = get_compiled(spec)
         self.device_index = device_index
         self.deterministic = spec.get("deterministic", False)
-        self.tile_m = spec["tile"][0]  # the dQ accumulator's blocks are the query tiles
+        self.tile_m, self.tile_n = spec["tile"]  # the dQ accumulator's blocks are the query tiles
+        self.num_sms = 0  # looked up at the first deterministic launch
         self.unused = _unused_counter(device_index)  # the int32 tensors a variant never reads
         # the default variants' placeholder for the add counts: the compiled signature is 4-D
         self.unused_order = self.unused.view(1, 1, 1, 1)
 
-    def _dq_order(self, dq_accum: torch.Tensor, turns: torch.Tensor | None = None) -> tuple:
+    def _dq_order(self, dq_accum: torch.Tensor, seqlen_k: int, turns: torch.Tensor | None = None) -> tuple:
         """Deterministic variants: one zeroed int32 per dQ accumulator tile, the count of key
-        blocks added to it so far (the next one waits for its turn), and with a mask each key
-        block's turn per query block (:func:`dq_turns`); else placeholders (the compiled
-        signature is 4-D either way)."""
+        blocks added to it so far (the next one waits for its turn), with a mask each key
+        block's turn per query block (:func:`dq_turns`), and how many heads' launches take turns
+        (about the CTAs resident at once over a head's key blocks; read where the key blocks walk
+        in step, kernels.sm90.flash_bwd_dq); else placeholders (the compiled signature is 4-D
+        either way)."""
         if not self.deterministic:
-            return self.unused_order, self.unused_order
+            return self.unused_order, self.unused_order, 1
         order = torch.zeros(dq_accum.shape[:4], dtype=torch.int32, device=dq_accum.device)
-        return order, self.unused_order if turns is None else turns
+        if not self.num_sms:
+            self.num_sms = num_sms(self.device_index)
+        interleave = -(-self.num_sms // -(-seqlen_k // self.tile_n))
+        return order, self.unused_order if turns is None else turns, interleave
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, window_left: int = 0,
                  window_right: int = 0, softcap: float = 0.0) -> None:
         batch, seqlen_q, heads, head_dim = q.shape
         delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
                                                     head_dim, self.tile_m, q.device)
-        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum),
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum, k.shape[1]),
                 self.unused, self.unused, 0, 0,
                 *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
@@ -621,8 +627,8 @@ class FlashBwdLaunch:
             # compact (batch, kv heads, key blocks, query blocks): few registers to index it
             turns = mask_summary(attn_mask, ("bwd turns", batch, seqlen_q, seqlen_k, tiles, kv_heads), lambda: dq_turns(
                 ranges, m_blocks).expand(batch, kv_heads, n_blocks, m_blocks).contiguous())
-        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum, turns),
-                self.unused, self.unused, 0, 0,
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum,
+                *self._dq_order(dq_accum, seqlen_k, turns), self.unused, self.unused, 0, 0,
                 kernel_mask(attn_mask, batch, heads, seqlen_q, seqlen_k) if bits is None
                 else bits.expand(batch, heads, *bits.shape[2:]),
                 blocks.expand(batch, heads, m_blocks, n_blocks), ranges.expand(batch, kv_heads, n_blocks, 2),
@@ -637,7 +643,7 @@ class FlashBwdLaunch:
                                                     head_dim, self.tile_m, q.device)
         for grad in (dq, dk, dv):
             grad.zero_()
-        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum),
+        self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum, k.shape[1]),
                 key_start, key_end, 0, 0,
                 *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
@@ -652,8 +658,8 @@ class FlashBwdLaunch:
         padded = -(-(total_q + batch * STAT_PAD) // STAT_PAD) * STAT_PAD
         delta, lse_log2, dq_accum = _bwd_workspaces(1, heads, padded, padded, head_dim, self.tile_m, q.device)
         self.fn(dout[None], q[None], k[None], v[None], out[None], lse[None], dq[None], dk[None], dv[None],
-                delta, lse_log2, dq_accum, *self._dq_order(dq_accum), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k,
+                delta, lse_log2, dq_accum, *self._dq_order(dq_accum, max_seqlen_k), cu_seqlens_q, cu_seqlens_k,
+                max_seqlen_q, max_seqlen_k,
                 *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap)
 

@@ -120,6 +120,8 @@ class FlashBwdSm90(DqAccumulation):
         # a full backward's key blocks start their walks at different query blocks (flash_bwd_dq.py
         # says why, and where ordered adds may)
         self.rotate = not (causal or local or self.masked) and rows == "dense"
+        # ordered adds over walks in step: a head's key blocks launch among other heads' (same file)
+        self.interleave_heads = deterministic and not (causal or local) and rows == "dense"
         self.pds_stages = self._pds_stages()
 
     def _pds_stages(self) -> int:
@@ -158,8 +160,8 @@ class FlashBwdSm90(DqAccumulation):
     def __call__(self, mdO: cute.Tensor, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                  mO: cute.Tensor, mLSE: cute.Tensor, mdQ: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mDelta: cute.Tensor, mLSElog2: cute.Tensor,
-                 mdQacc: cute.Tensor, mDqOrder: cute.Tensor, mDqTurns: cute.Tensor, mSeqInfoQ: cute.Tensor,
-                 mSeqInfoK: cute.Tensor,
+                 mdQacc: cute.Tensor, mDqOrder: cute.Tensor, mDqTurns: cute.Tensor, dq_interleave: Int32,
+                 mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
                  max_seqlen_q: Int32, max_seqlen_k: Int32, mMask: cute.Tensor, mMaskBlocks: cute.Tensor,
                  mMaskRange: cute.Tensor, softmax_scale: Float32, window_left: Int32,
                  window_right: Int32, softcap: Float32, stream):
@@ -175,8 +177,8 @@ class FlashBwdSm90(DqAccumulation):
         rows.preprocess(mO, mdO, mLSE, mDelta, mLSElog2, mdQacc, mSeqInfoQ, mSeqInfoK, keys_extent).launch(
             grid=(cute.ceil_div(padded_q * heads, rows.rows_per_cta), batch, 1),
             block=[rows.row_threads, 1, 1], stream=stream)
-        self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, (mDqOrder, mDqTurns), mSeqInfoQ,
-                          mSeqInfoK,
+        self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, (mDqOrder, mDqTurns, dq_interleave),
+                          mSeqInfoQ, mSeqInfoK,
                           (mMask, mMaskBlocks, mMaskRange), batch, seqlen_k, softmax_scale, window_left,
                           window_right, softcap, stream)
         rows.postprocess(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent, softmax_scale,
@@ -279,6 +281,7 @@ class FlashBwdSm90(DqAccumulation):
         mdQacc: cute.Tensor,  # (B, H, query blocks, warpgroup, tile) fp32, accumulator order
         mDqOrder: cute.Tensor,  # deterministic: (B, H, query blocks, warpgroup) int32 add counts
         mDqTurns: cute.Tensor,  # deterministic with a mask: (B, H_kv, key blocks, query blocks) turns
+        dq_interleave: Int32,  # deterministic: heads whose key blocks' launches interleave
         mLSElog2: cute.Tensor, mDelta: cute.Tensor,
         mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,  # dK, dV as plain gmem: the ragged store
         mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
@@ -292,9 +295,7 @@ class FlashBwdSm90(DqAccumulation):
         SharedStorage: cutlass.Constexpr,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        n_block, kv_head, batch = cute.arch.block_idx()
-        if const_expr(self.deterministic):  # key blocks backwards (see the module docstring)
-            n_block = cute.arch.grid_dim()[0] - 1 - n_block
+        n_block, kv_head, batch = self._launch_coords(dq_interleave)
         if warp_idx == 0:
             for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_dK, tma_dV, tma_LSE, tma_Delta):
                 cpasync.prefetch_descriptor(atom)
@@ -749,6 +750,7 @@ def build(spec: KernelSpec):
         cute.runtime.make_fake_compact_tensor(  # dQ turns (deterministic masked variants; else unread)
             Int32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
             stride_order=(3, 2, 1, 0), assumed_align=4),
+        Int32(1),  # heads interleaved at launch (deterministic variants whose walks are in step)
         cu_seqlens(), cu_seqlens(), Int32(0), Int32(0),  # row bounds (common.seqlen), max_seqlen (q, k)
         *mask_fakes(spec["attn_mask"], dtype, bool_as_bits=True),
         Float32(1.0), Int32(0), Int32(0), Float32(1.0),

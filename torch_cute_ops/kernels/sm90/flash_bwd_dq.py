@@ -25,6 +25,14 @@ starts at query block n mod M instead (``rotate``). Ordered, a tile's adds then 
 the walks reach it, which waits on key blocks launched after the waiter: only where a head has
 at most ``DQ_ROTATED_KEY_BLOCKS`` key blocks (launched together, and resident together once that
 many CTAs fit on the GPU) do the ordered walks rotate; longer ones keep the plain walk.
+
+Launch order of ordered walks in step (``interleave_heads``): key block n waits for key block
+n + 1 at every tile, one link (its add's completion, the release, the acquire) behind it, so a
+head's chain absorbs one new key block per link. Launched head after head, the CTAs that replace
+finished ones (a few per link, one per head in flight) would all join one head's chain and queue
+there. The host's ``dq_interleave`` (about the resident CTAs over a head's key blocks) heads
+take turns instead: key block N - 1 of each, then N - 2 of each, and so on, one group of heads
+after the other, so every wait is still on a CTA launched earlier.
 """
 
 from __future__ import annotations
@@ -58,6 +66,30 @@ def hand_dq_to_writer(tdQrdQ: cute.Tensor, tdQsdQ: cute.Tensor, wg_idx: Int32):
 class DqAccumulation:
     """The writer warps and the walk, as methods of the backward kernel (``FlashBwdSm90``, whose
     tile shape, masks and ``deterministic`` / ``rotate`` flags they read)."""
+
+    @cute.jit
+    def _launch_coords(self, dq_interleave: Int32) -> tuple:
+        """This CTA's (key block, kv head, batch entry): the grid's, but for ordered adds the key
+        blocks backwards and, where their walks are in step, ``dq_interleave`` heads taking turns
+        (see the module docstring; rotated walks keep their heads' key blocks together)."""
+        n_block, kv_head, batch = cute.arch.block_idx()
+        num_n, num_heads, num_entries = cute.arch.grid_dim()
+        if const_expr(self.interleave_heads):
+            group_heads = cutlass.max(dq_interleave, 1)
+            if const_expr(self.rotate):
+                group_heads = cutlass.select_(num_n <= DQ_ROTATED_KEY_BLOCKS, 1, group_heads)
+            launch = n_block + num_n * (kv_head + num_heads * batch)
+            group = launch // (num_n * group_heads)
+            first_head = group * group_heads
+            heads_here = cutlass.min(group_heads, num_heads * num_entries - first_head)
+            in_group = launch - first_head * num_n
+            n_block = in_group // heads_here
+            head = first_head + in_group - n_block * heads_here
+            batch = head // num_heads
+            kv_head = head - batch * num_heads
+        if const_expr(self.deterministic):
+            n_block = num_n - 1 - n_block
+        return n_block, kv_head, batch
 
     def _first_query_block(self, n_block: Int32, m_block_min: Int32, m_block_max: Int32,
                            bounds: SeqBounds) -> Int32:
