@@ -2,8 +2,9 @@
 ``scaled_dot_product_attention`` and at the launch level, against a float32 reference from the
 same rounded inputs.
 
-Masks: padding + causal (bool, (B, 1, S_q, S_k)), 2-D (S_q, S_k), per-head bool masks, per-head
-additive float masks
+Masks: padding + causal (bool, (B, 1, S_q, S_k), and additive with the dtype's lowest value as
+transformers' older helpers make it), 2-D (S_q, S_k), per-head bool masks, per-head additive
+float masks
 with -inf regions and finite biases, GQA, rows that see no key, odd sizes, head dims 64-256.
 Launch-level outputs are poisoned with NaN first.
 """
@@ -35,6 +36,11 @@ def _masks(kind, b, h, s_q, s_k, gen):
     if kind == "padding_causal":
         lengths = [s_k - 17 * i for i in range(b)]
         return padding_causal_mask(b, s_q, lengths)
+    if kind == "padding_causal_lowest":  # the same, additive, hidden as the dtype's lowest value
+        lengths = [s_k - 17 * i for i in range(b)]
+        visible = padding_causal_mask(b, s_q, lengths)
+        return torch.zeros(visible.shape, device="cuda").bfloat16().masked_fill(
+            ~visible, torch.finfo(torch.bfloat16).min)
     if kind == "2d_random":  # every block partial; one row that sees nothing
         mask = torch.rand(s_q, s_k, device="cuda", generator=gen) > 0.5
         mask[3] = False
@@ -59,6 +65,7 @@ def _masks(kind, b, h, s_q, s_k, gen):
 CASES = [
     ("padding_causal", 128, 3, 4, 2, 777, 777),
     ("padding_causal", 64, 2, 4, 4, 1000, 1000),
+    ("padding_causal_lowest", 128, 2, 4, 2, 777, 777),
     ("2d_random", 128, 2, 4, 1, 333, 517),
     ("2d_random", 256, 1, 2, 2, 333, 517),
     ("random_heads", 64, 2, 4, 2, 200, 391),

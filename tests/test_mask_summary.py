@@ -95,6 +95,24 @@ def test_additive_blocks_are_full_only_where_the_bias_is_zero():
     assert mask_blocks(hidden, 128, 256, 128, 128)[0, 0].tolist() == [[BLOCK_FULL, BLOCK_EMPTY]]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lowest_values_are_skipped_where_the_row_sees_another_key(dtype):
+    """Masks hiding keys with torch.finfo(dtype).min: blocks of only that value are empty (their
+    weight is exactly 0 next to any other key), unless a row of the query block has nothing else
+    (PyTorch attends to its lowest values then, so the kernels must see them)."""
+    lowest = torch.finfo(dtype).min
+    mask = torch.zeros(1, 1, 256, 256, dtype=dtype)
+    mask[..., :128, 128:] = lowest  # query block 0 never sees key block 1
+    mask[..., 128:, 128:] = lowest
+    mask[..., 200, :] = lowest  # ... but row 200 of query block 1 sees nothing else
+    mask[..., 192:, 0] = float("-inf")
+    blocks = mask_blocks(mask, 256, 256, 128, 128)[0, 0]
+    assert blocks.tolist() == [[BLOCK_FULL, BLOCK_EMPTY], [BLOCK_PARTIAL, BLOCK_PARTIAL]]
+    mask[..., 200, :] = float("-inf")  # a row of -inf only: nothing to attend to
+    blocks = mask_blocks(mask, 256, 256, 128, 128)[0, 0]
+    assert blocks.tolist() == [[BLOCK_FULL, BLOCK_EMPTY], [BLOCK_PARTIAL, BLOCK_EMPTY]]
+
+
 def test_dq_turns_count_the_higher_key_blocks_that_visit_each_query_block():
     """The deterministic backward's turn of key block n at query block m, for masks: how many key
     blocks above n have m in their [first, past-last) range; checked against a direct count on

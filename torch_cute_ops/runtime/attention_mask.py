@@ -26,6 +26,17 @@ def _full_size(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.T
     return mask.expand(mask.shape[0], mask.shape[1], seqlen_q, seqlen_k)
 
 
+def _additive_live(mask: torch.Tensor) -> torch.Tensor:
+    """The scores an additive mask leaves a weight: not -inf, and not the dtype's lowest value
+    (the "hidden" of masks made with ``torch.finfo(dtype).min``: next to any other key of its
+    row, its weight exp(lowest + score - max) is exactly 0 in fp32, so a block of them is
+    skipped like -inf). A row with no other key keeps its lowest values: PyTorch attends to
+    them then (uniformly where they swamp the scores), and so do the kernels."""
+    above_lowest = mask > torch.finfo(mask.dtype).min
+    blind_rows = ~above_lowest.any(dim=-1, keepdim=True)
+    return above_lowest | (blind_rows & (mask != float("-inf")))
+
+
 def mask_blocks(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int) -> torch.Tensor:
     """The block summary of an attn_mask: int8 (B', H', M blocks, N blocks) of BLOCK_EMPTY (no
     visible key), BLOCK_FULL (every key visible, no additive bias) or BLOCK_PARTIAL, with B', H'
@@ -34,7 +45,7 @@ def mask_blocks(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: i
     if mask.dtype == torch.bool:
         live, full = mask, mask
     else:
-        live, full = mask != float("-inf"), mask == 0
+        live, full = _additive_live(mask), mask == 0
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     pad = (0, n_blocks * tile_n - seqlen_k, 0, m_blocks * tile_m - seqlen_q)
     # padding rows and columns decide nothing: never live, never spoil a full block
