@@ -123,3 +123,23 @@ def test_fill_left_off_stays_off(deterministic):
         assert not _fill_is_on()
     finally:
         torch.utils.deterministic.fill_uninitialized_memory = True
+
+
+@pytest.mark.parametrize("mode", [False, True])
+def test_gemm_outputs_skip_the_deterministic_fill(monkeypatch, deterministic, mode):
+    """GEMM outputs (tco.gemm, tco.scaled_mm) are written in full by their kernels: made with the
+    mode's fill off, and with torch.empty as is when the mode is off."""
+    from torch_cute_ops.runtime import unfilled
+    if mode:
+        deterministic()
+    seen = []
+    real_empty = torch.empty
+
+    def recording_empty(*args, **kwargs):
+        seen.append(_fill_is_on())
+        return real_empty(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    out = unfilled.empty_output((3, 5), torch.bfloat16, torch.device("cpu"))
+    assert out.shape == (3, 5) and out.dtype == torch.bfloat16
+    assert seen == [not mode]
+    assert _fill_is_on()

@@ -12,6 +12,7 @@ import torch
 
 from ..reference import gemm as reference
 from ..runtime.gemm import pointer_reason
+from ..runtime.unfilled import empty_output
 from . import checks, dispatch, fallback
 from .schemas import lib, qualname, register_impl
 
@@ -90,7 +91,7 @@ def gemm_impl(a, b, bias=None, activation=None, out_dtype=None, alpha=1.0):
     if plan.launch is not None:
         reason = pointer_reason(a, b, bias)
         if reason is None:
-            out = torch.empty(plan.shape, dtype=plan.out_dtype, device=a.device)
+            out = empty_output(plan.shape, plan.out_dtype, a.device)
             plan.launch(a, b, bias, out, alpha)
             return out
     if reason is not None:

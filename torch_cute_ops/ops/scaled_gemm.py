@@ -21,6 +21,7 @@ import torch
 from ..reference import scaled_gemm as reference
 from ..reference.gemm import ACTIVATIONS
 from ..runtime.gemm import operand_strides, pointer_reason
+from ..runtime.unfilled import empty_output
 from . import checks, fallback
 from .gemm import LayoutPlan, plan_layout
 from .schemas import lib, qualname, register_impl
@@ -100,7 +101,7 @@ def scaled_gemm_impl(a, b, scale_a, scale_b, bias=None, out_dtype=None, activati
     if plan.launch is not None:
         reason = pointer_reason(a, b, bias)
         if reason is None:
-            out = torch.empty(plan.shape, dtype=plan.out_dtype, device=a.device)
+            out = empty_output(plan.shape, plan.out_dtype, a.device)
             plan.launch(a, b, scale_a, scale_b, bias, out)
             return out
     if reason is not None:

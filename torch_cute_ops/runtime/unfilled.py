@@ -14,13 +14,21 @@ from __future__ import annotations
 import torch
 
 
-def written_in_full(make, *args):
-    """``make(*args)``: tensors that a kernel overwrites in full, made with the deterministic fill
-    off (and back on after, if it was on)."""
+def written_in_full(make, *args, **kwargs):
+    """``make(*args, **kwargs)``: tensors that a kernel overwrites in full, made with the
+    deterministic fill off (and back on after, if it was on)."""
     if not (torch.are_deterministic_algorithms_enabled() and torch._C._get_deterministic_fill_uninitialized_memory()):
-        return make(*args)
+        return make(*args, **kwargs)
     torch._C._set_deterministic_fill_uninitialized_memory(False)
     try:
-        return make(*args)
+        return make(*args, **kwargs)
     finally:
         torch._C._set_deterministic_fill_uninitialized_memory(True)
+
+
+def empty_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty`` for a GEMM's output, which its kernel writes in full: the mode checked
+    inline first, since these ops' host time is counted in fractions of a microsecond."""
+    if torch.are_deterministic_algorithms_enabled():
+        return written_in_full(torch.empty, shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
