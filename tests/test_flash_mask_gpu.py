@@ -3,8 +3,8 @@
 same rounded inputs.
 
 Masks: padding + causal (bool, (B, 1, S_q, S_k), and additive with the dtype's lowest value as
-transformers' older helpers make it), 2-D (S_q, S_k), per-head bool masks, per-head additive
-float masks
+transformers' older helpers make it), additive 0 / -inf with a finite patch (blocks read from
+bits and from values), 2-D (S_q, S_k), per-head bool masks, per-head additive float masks
 with -inf regions and finite biases, GQA, rows that see no key, odd sizes, head dims 64-256.
 Launch-level outputs are poisoned with NaN first.
 """
@@ -41,6 +41,12 @@ def _masks(kind, b, h, s_q, s_k, gen):
         visible = padding_causal_mask(b, s_q, lengths)
         return torch.zeros(visible.shape, device="cuda").bfloat16().masked_fill(
             ~visible, torch.finfo(torch.bfloat16).min)
+    if kind == "additive_mixed":  # padding + causal as 0 / -inf, and a finite bias over a patch:
+        lengths = [s_k - 29 * i for i in range(b)]  # blocks read from bits and from values
+        visible = padding_causal_mask(b, s_q, lengths)
+        bias = torch.zeros(visible.shape, device="cuda").masked_fill(~visible, float("-inf"))
+        bias[..., 100:230, 40:90] -= 1.5
+        return bias.bfloat16()
     if kind == "2d_random":  # every block partial; one row that sees nothing
         mask = torch.rand(s_q, s_k, device="cuda", generator=gen) > 0.5
         mask[3] = False
@@ -66,6 +72,8 @@ CASES = [
     ("padding_causal", 128, 3, 4, 2, 777, 777),
     ("padding_causal", 64, 2, 4, 4, 1000, 1000),
     ("padding_causal_lowest", 128, 2, 4, 2, 777, 777),
+    ("additive_mixed", 64, 2, 4, 2, 600, 600),
+    ("additive_mixed", 256, 1, 2, 2, 500, 500),
     ("2d_random", 128, 2, 4, 1, 333, 517),
     ("2d_random", 256, 1, 2, 2, 333, 517),
     ("random_heads", 64, 2, 4, 2, 200, 391),

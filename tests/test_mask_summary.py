@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from torch_cute_ops.runtime.attention_mask import (
+    BLOCK_BITS,
     BLOCK_EMPTY,
     BLOCK_FULL,
     BLOCK_PARTIAL,
@@ -64,7 +65,8 @@ def test_backward_bits_follow_its_score_columns(keys_in_rows):
     assert visible.shape[-2] == -(-rows // tiles[1 if keys_in_rows else 0]) * tiles[1 if keys_in_rows else 0]
     assert torch.equal(visible[..., :rows, :cols], expected)
     assert not visible[..., rows:, :].any() and not visible[..., cols:].any()
-    assert bwd_mask_summary(mask.float(), s_q, s_k, tiles, 1, keys_in_rows)[2] is None
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))  # its zeros are the bits
+    assert torch.equal(bwd_mask_summary(additive, s_q, s_k, tiles, 1, keys_in_rows)[2], bits)
 
 
 def test_blocks_and_ranges_classify_every_block():
@@ -84,7 +86,7 @@ def test_blocks_and_ranges_classify_every_block():
         assert tuple(ranges[m].tolist()) == ((live[0], live[-1] + 1) if live else (0, 0))
 
 
-def test_additive_blocks_are_full_only_where_the_bias_is_zero():
+def test_additive_blocks_are_full_only_where_the_bias_is_zero_and_bits_where_it_is_zero_or_hidden():
     bias = torch.zeros(1, 1, 128, 256)
     bias[..., :, 200] = 0.5
     bias[..., 5:, 130:140] = float("-inf")
@@ -93,6 +95,9 @@ def test_additive_blocks_are_full_only_where_the_bias_is_zero():
     hidden = torch.full((1, 1, 128, 256), float("-inf"))
     hidden[..., :, :128] = 0
     assert mask_blocks(hidden, 128, 256, 128, 128)[0, 0].tolist() == [[BLOCK_FULL, BLOCK_EMPTY]]
+    hidden[..., 7, 3] = float("-inf")  # only 0 and hidden values: its bits say all
+    hidden[..., 9, 200] = 0
+    assert mask_blocks(hidden, 128, 256, 128, 128)[0, 0].tolist() == [[BLOCK_BITS, BLOCK_BITS]]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -110,7 +115,7 @@ def test_lowest_values_are_skipped_where_the_row_sees_another_key(dtype):
     assert blocks.tolist() == [[BLOCK_FULL, BLOCK_EMPTY], [BLOCK_PARTIAL, BLOCK_PARTIAL]]
     mask[..., 200, :] = float("-inf")  # a row of -inf only: nothing to attend to
     blocks = mask_blocks(mask, 256, 256, 128, 128)[0, 0]
-    assert blocks.tolist() == [[BLOCK_FULL, BLOCK_EMPTY], [BLOCK_PARTIAL, BLOCK_EMPTY]]
+    assert blocks.tolist() == [[BLOCK_FULL, BLOCK_EMPTY], [BLOCK_BITS, BLOCK_EMPTY]]
 
 
 def test_dq_turns_count_the_higher_key_blocks_that_visit_each_query_block():

@@ -304,11 +304,27 @@ def num_splits_for(tiles: int, key_blocks: int, sms: int) -> int:
 
 @lasting
 def _mask_placeholders(device_index: int) -> tuple:
-    """What an unmasked variant gets for the (mask, blocks, ranges) it never reads."""
+    """What an unmasked variant gets for the (mask, bits, blocks, ranges) it never reads."""
     device = torch.device("cuda", device_index)
     return (torch.zeros((1, 1, 1, 1), dtype=torch.uint8, device=device),
+            _bits_placeholder(device_index),
             torch.zeros((1, 1, 1, 1), dtype=torch.int8, device=device),
             torch.zeros((1, 1, 1, 2), dtype=torch.int32, device=device))
+
+
+@lasting
+def _bits_placeholder(device_index: int) -> torch.Tensor:
+    """The bits a bool or unmasked variant never reads: one 16-byte row (kernels.common.mask_args)."""
+    return torch.zeros((1, 1, 1, 4), dtype=torch.int32, device=torch.device("cuda", device_index))
+
+
+def _mask_args(attn_mask, bits, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device_index: int) -> tuple:
+    """(mask, bits) as a masked variant reads them: a bool mask's bits in the mask's place, an
+    additive mask's values and its zeros' bits."""
+    bits = bits.expand(batch, heads, *bits.shape[2:])
+    if attn_mask.dtype == torch.bool:
+        return bits, _bits_placeholder(device_index)
+    return kernel_mask(attn_mask, batch, heads, seqlen_q, seqlen_k), bits
 
 
 def _tile_counter(device: torch.device) -> torch.Tensor:
@@ -418,8 +434,8 @@ class FlashFwdLaunch:
         counter = _tile_counter(q.device)
         unused = _unused_counter(self.device_index)
         m_blocks, n_blocks = blocks.shape[-2:]
-        mask = kernel_mask(attn_mask, b, h, s_q, s_k) if bits is None else bits.expand(b, h, *bits.shape[2:])
-        self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, mask,
+        self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0,
+                *_mask_args(attn_mask, bits, b, h, s_q, s_k, self.device_index),
                 blocks.expand(b, h, m_blocks, n_blocks), ranges.expand(b, h, m_blocks, 2), softmax_scale, 0, 0,
                 0.0, self.grid, *self._split_args(q))
 
@@ -532,7 +548,7 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     head_dim = q.shape[-1]
     config = config or config_for(head_dim, causal, not packed and k.shape[1] <= SHORT_CAUSAL_KEYS,
                                   not (dense and unmasked))
-    if attn_mask == "bool" and config.tile_n % 32:  # bit-packed: whole 32-key words per key block
+    if attn_mask != "none" and config.tile_n % 32:  # bits (a bool mask, an additive one's zeros): whole words
         config = dataclasses.replace(config, tile_n=config.tile_n // 32 * 32)
     splits = 1
     if rows in DECODE_ROWS and unmasked:
@@ -629,8 +645,7 @@ class FlashBwdLaunch:
                 ranges, m_blocks).expand(batch, kv_heads, n_blocks, m_blocks).contiguous())
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum,
                 *self._dq_order(dq_accum, seqlen_k, turns), self.unused, self.unused, 0, 0,
-                kernel_mask(attn_mask, batch, heads, seqlen_q, seqlen_k) if bits is None
-                else bits.expand(batch, heads, *bits.shape[2:]),
+                *_mask_args(attn_mask, bits, batch, heads, seqlen_q, seqlen_k, self.device_index),
                 blocks.expand(batch, heads, m_blocks, n_blocks), ranges.expand(batch, kv_heads, n_blocks, 2),
                 softmax_scale, 0, 0, 0.0)
 

@@ -8,7 +8,7 @@ import torch
 
 from .lasting import PerTensor, capturing, outside_graph_pools
 
-BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL = 0, 1, 2  # kernels.common.mask's block statuses
+BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, BLOCK_BITS = 0, 1, 2, 3  # kernels.common.mask's block statuses
 
 
 def mask_kind(attn_mask) -> str:
@@ -39,24 +39,30 @@ def _additive_live(mask: torch.Tensor) -> torch.Tensor:
 
 def mask_blocks(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int) -> torch.Tensor:
     """The block summary of an attn_mask: int8 (B', H', M blocks, N blocks) of BLOCK_EMPTY (no
-    visible key), BLOCK_FULL (every key visible, no additive bias) or BLOCK_PARTIAL, with B', H'
-    the mask's own (broadcast dims stay 1). One pass of torch ops over the mask."""
+    visible key), BLOCK_FULL (every key visible, no additive bias), BLOCK_BITS (an additive
+    mask's block of only 0 and hidden values: its bits, where it is 0, say all) or BLOCK_PARTIAL,
+    with B', H' the mask's own (broadcast dims stay 1). One pass of torch ops over the mask."""
     mask = _full_size(attn_mask, seqlen_q, seqlen_k)
+    plain = None
     if mask.dtype == torch.bool:
         live, full = mask, mask
     else:
         live, full = _additive_live(mask), mask == 0
+        plain = full | ~live
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     pad = (0, n_blocks * tile_n - seqlen_k, 0, m_blocks * tile_m - seqlen_q)
-    # padding rows and columns decide nothing: never live, never spoil a full block
-    live = torch.nn.functional.pad(live.to(torch.uint8), pad, value=0)
-    full = torch.nn.functional.pad(full.to(torch.uint8), pad, value=1)
     shape = (*mask.shape[:2], m_blocks, tile_m, n_blocks, tile_n)
-    any_live = live.view(shape).amax(dim=(3, 5)).bool()
-    all_full = full.view(shape).amin(dim=(3, 5)).bool()
+
+    def per_block(values, padding, reduce):  # padding rows and columns decide nothing
+        padded = torch.nn.functional.pad(values.to(torch.uint8), pad, value=padding)
+        return getattr(padded.view(shape), reduce)(dim=(3, 5)).bool()
+
+    any_live = per_block(live, 0, "amax")
     blocks = torch.full(any_live.shape, BLOCK_EMPTY, dtype=torch.int8, device=mask.device)
     blocks.masked_fill_(any_live, BLOCK_PARTIAL)
-    return blocks.masked_fill_(all_full, BLOCK_FULL)
+    if plain is not None:
+        blocks.masked_fill_(any_live & per_block(plain, 1, "amin"), BLOCK_BITS)
+    return blocks.masked_fill_(per_block(full, 1, "amin"), BLOCK_FULL)
 
 
 def mask_bits(attn_mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int) -> torch.Tensor:
@@ -113,28 +119,31 @@ def kernel_mask(attn_mask, batch: int, heads: int, seqlen_q: int, seqlen_k: int)
     return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
 
 
+def _visible(attn_mask: torch.Tensor) -> torch.Tensor:
+    """What the bits say: a bool mask itself, an additive one's zeros (read in its BLOCK_BITS)."""
+    return attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+
+
 def fwd_mask_summary(attn_mask, seqlen_q: int, seqlen_k: int, tiles: tuple[int, int]):
-    """Blocks, live key-block ranges, and a bool mask's bits (None for an additive one)."""
+    """Blocks, live key-block ranges, and the mask's bits (:func:`_visible`)."""
     blocks = mask_blocks(attn_mask, seqlen_q, seqlen_k, *tiles)
-    bits = mask_bits(attn_mask, seqlen_q, seqlen_k, *tiles) if attn_mask.dtype == torch.bool else None
-    return blocks, live_ranges(blocks), bits
+    return blocks, live_ranges(blocks), mask_bits(_visible(attn_mask), seqlen_q, seqlen_k, *tiles)
 
 
 def bwd_mask_summary(attn_mask, seqlen_q: int, seqlen_k: int, tiles: tuple[int, int], kv_heads: int,
                      keys_in_rows: bool):
     """Blocks at the backward's tiles, per (batch, kv head, key block) the query blocks that any
-    head of the GQA group sees, and a bool mask's bits (None for an additive one): packed along
-    the backward's score columns, queries where its scores are transposed (``keys_in_rows``: rows
+    head of the GQA group sees, and the mask's bits (:func:`_visible`): packed along the
+    backward's score columns, queries where its scores are transposed (``keys_in_rows``: rows
     are keys, bit ``i`` of word ``w`` query ``32 w + i``), else keys as for the forward."""
     blocks = mask_blocks(attn_mask, seqlen_q, seqlen_k, *tiles)
     per_group = blocks
     if blocks.shape[1] > 1:  # the mask differs per head: the union over each group
         b, h, m, n = blocks.shape
         per_group = blocks.view(b, kv_heads, h // kv_heads, m, n).amax(dim=2)
-    bits = None
-    if attn_mask.dtype == torch.bool:
-        if keys_in_rows:
-            bits = mask_bits(as_4d(attn_mask).transpose(2, 3), seqlen_k, seqlen_q, tiles[1], tiles[0])
-        else:
-            bits = mask_bits(attn_mask, seqlen_q, seqlen_k, *tiles)
+    visible = _visible(attn_mask)
+    if keys_in_rows:
+        bits = mask_bits(as_4d(visible).transpose(2, 3), seqlen_k, seqlen_q, tiles[1], tiles[0])
+    else:
+        bits = mask_bits(visible, seqlen_q, seqlen_k, *tiles)
     return blocks, live_ranges(per_group.transpose(2, 3)), bits

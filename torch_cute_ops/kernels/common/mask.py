@@ -194,8 +194,9 @@ def mask_scores(
                         acc[r, c] = acc[r, c] if t0ScS[0, c][1] < limit else -Float32.inf
 
 
-# a key block's status in an attn_mask's block summary (runtime.attention_mask.mask_summary)
-BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL = 0, 1, 2
+# a key block's status in an attn_mask's block summary (runtime.attention_mask.mask_blocks);
+# BLOCK_BITS: an additive mask's block of only 0 and hidden values, read from its bits
+BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, BLOCK_BITS = 0, 1, 2, 3
 
 
 @cute.jit

@@ -6,12 +6,14 @@
   word ``w`` is key ``32 w + i``, rows and words padded to whole tiles, words contiguous and
   rows 16-byte aligned (one vector load per row and block); the backward's, where it computes
   S transposed, is packed the other way (rows are keys, bits queries);
+* ``bits``: an additive mask's zeros, packed like a bool mask's: read in its ``BLOCK_BITS``
+  blocks (only 0 and hidden values), whose values then cost one load per row, not per score;
 * ``blocks``: its block summary at the kernel's (tile_m, tile_n), int8 ``BLOCK_*`` per
   (batch, head, query block, key block);
 * ``ranges``: int32 (first, past-last) live block per row of the summary: the key blocks of a
   query block (forward), the query blocks of a key block for a kv head's GQA group (backward).
 
-Unmasked variants get one-element placeholders there.
+Unmasked variants get placeholders there (one element; for ``bits`` one 16-byte row).
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ def _bit_rows():
     return cute.runtime.make_fake_tensor(cutlass.Int32, shape, stride, assumed_align=16)
 
 
-def mask_fakes(kind: str, dtype, bool_as_bits: bool = False) -> tuple:
-    """Fake (mask, blocks, ranges) for a variant whose attn_mask is ``kind`` (a bool one
-    bit-packed when ``bool_as_bits``)."""
+def mask_fakes(kind: str, dtype) -> tuple:
+    """Fake (mask, bits, blocks, ranges) for a variant whose attn_mask is ``kind`` (a bool one
+    bit-packed as the mask itself, ``bits`` then unread)."""
     assert kind in MASK_KINDS, kind
-    if kind == "bool" and bool_as_bits:
+    if kind == "bool":
         mask = _bit_rows()
     else:
         elem = dtype if kind == "add" else cutlass.Uint8
         mask = _any_strides(elem, align=elem.width // 8)
-    return mask, _any_strides(cutlass.Int8), _any_strides(cutlass.Int32, last=2, align=4)
+    return mask, _bit_rows(), _any_strides(cutlass.Int8), _any_strides(cutlass.Int32, last=2, align=4)

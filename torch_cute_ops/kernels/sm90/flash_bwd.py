@@ -51,7 +51,8 @@ from ..common.flash_common import (
     LOG2_E, acc_as_rows_cols, convert_to_16bit, swizzled_smem_layout, tiled_wgmma, transposed_view, warpgroup_gemm,
 )
 from ..common.mask import (
-    BLOCK_FULL, apply_attn_mask, apply_mask_words, apply_softcap, load_mask_words, mask_scores, query_block_range,
+    BLOCK_BITS, BLOCK_FULL, apply_attn_mask, apply_mask_words, apply_softcap, load_mask_words, mask_scores,
+    query_block_range,
 )
 from ..common.mask_args import mask_fakes
 from ..common.seqlen import SeqBounds, seq_major, store_rows
@@ -162,7 +163,8 @@ class FlashBwdSm90(DqAccumulation):
                  mdV: cute.Tensor, mDelta: cute.Tensor, mLSElog2: cute.Tensor,
                  mdQacc: cute.Tensor, mDqOrder: cute.Tensor, mDqTurns: cute.Tensor, dq_interleave: Int32,
                  mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
-                 max_seqlen_q: Int32, max_seqlen_k: Int32, mMask: cute.Tensor, mMaskBlocks: cute.Tensor,
+                 max_seqlen_q: Int32, max_seqlen_k: Int32, mMask: cute.Tensor, mMaskBits: cute.Tensor,
+                 mMaskBlocks: cute.Tensor,
                  mMaskRange: cute.Tensor, softmax_scale: Float32, window_left: Int32,
                  window_right: Int32, softcap: Float32, stream):
         # per batch entry: its query rows, padded to whole query blocks for the statistics
@@ -179,7 +181,7 @@ class FlashBwdSm90(DqAccumulation):
             block=[rows.row_threads, 1, 1], stream=stream)
         self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, (mDqOrder, mDqTurns, dq_interleave),
                           mSeqInfoQ, mSeqInfoK,
-                          (mMask, mMaskBlocks, mMaskRange), batch, seqlen_k, softmax_scale, window_left,
+                          (mMask, mMaskBits, mMaskBlocks, mMaskRange), batch, seqlen_k, softmax_scale, window_left,
                           window_right, softcap, stream)
         rows.postprocess(mdQacc, mdQ, mSeqInfoQ, mSeqInfoK, keys_extent, softmax_scale,
                          self._make_mmas()[2]).launch(
@@ -285,7 +287,8 @@ class FlashBwdSm90(DqAccumulation):
         mLSElog2: cute.Tensor, mDelta: cute.Tensor,
         mdK_rows: cute.Tensor, mdV_rows: cute.Tensor,  # dK, dV as plain gmem: the ragged store
         mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
-        mMask: cute.Tensor, mMaskBlocks: cute.Tensor, mMaskRange: cute.Tensor, inv_scale: Float32,
+        mMask: cute.Tensor, mMaskBits: cute.Tensor, mMaskBlocks: cute.Tensor, mMaskRange: cute.Tensor,
+        inv_scale: Float32,
         mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,  # unused when P stays in registers (swap_sdp)
@@ -349,7 +352,7 @@ class FlashBwdSm90(DqAccumulation):
                               mma_sdp, mma_dkv, mma_dq, smem, pipe_kv, pipe_q, pipe_do,
                               scale_log2, cap_scale, softmax_scale, n_block, kv_head, batch, group,
                               m_block_min, m_block_max, bounds, window_left, window_right,
-                              (mMask, mMaskBlocks, inv_scale))
+                              (mMask, mMaskBits, mMaskBlocks, inv_scale))
 
     def _block_has_keys(self, n_block, bounds: SeqBounds):
         if const_expr(self.ragged):
@@ -614,13 +617,14 @@ class FlashBwdSm90(DqAccumulation):
 
     @cute.jit
     def _mask_words(self, user_mask, tScS, m_block, n_block, head, batch):
-        """A bool attn_mask's bits for this thread's scores of one (query block, key block), loaded
-        as words (``load_mask_words``; None for other variants). The mask is packed along the
-        scores' columns: queries where S is computed transposed (``swap_sdp``), else keys, which
-        the warpgroups split (the words of this warpgroup's half)."""
+        """The attn_mask's bits (a bool mask's, an additive one's zeros) for this thread's scores of
+        one (query block, key block), loaded as words (``load_mask_words``; None unmasked). The
+        mask is packed along the scores' columns: queries where S is computed transposed
+        (``swap_sdp``), else keys, which the warpgroups split (the words of this warpgroup's half)."""
         words = None
-        if const_expr(self.attn_mask == "bool"):
-            mBits = user_mask[0][batch, head, None, None]
+        if const_expr(self.masked):
+            mBits = user_mask[0] if const_expr(self.attn_mask == "bool") else user_mask[1]
+            mBits = mBits[batch, head, None, None]
             if const_expr(self.swap_sdp):
                 words = load_mask_words(mBits, tScS, n_block * self.tile_n, m_block * self.tile_m, self.tile_m)
             else:
@@ -633,20 +637,24 @@ class FlashBwdSm90(DqAccumulation):
     def _cap_and_mask(self, acc_S, tScS, t0ScS, cap_scale, m_block, n_block, head, batch, last_key, offset,
                       seqlen_q, seqlen_k, window_left, window_right, user_mask, words):
         """Scores of one (query block, key block) before the exp: softcap, then the attn_mask's
-        values where its block summary says partial (a bool one from ``words``, see
-        :meth:`_mask_words`), then -inf outside the band and past the keys when the block crosses
-        an edge."""
-        mMask, mMaskBlocks, inv_scale = user_mask
+        values where its block summary says partial (from ``words``, see :meth:`_mask_words`, for a
+        bool mask and an additive one's BLOCK_BITS), then -inf outside the band and past the keys
+        when the block crosses an edge."""
+        mMask, _, mMaskBlocks, inv_scale = user_mask
         if const_expr(self.softcap):  # capped before the mask: masked scores stay -inf
             apply_softcap(acc_S, cap_scale)
         if const_expr(self.masked):  # attn_mask values where the block is not full
-            if mMaskBlocks[batch, head, m_block, n_block] != BLOCK_FULL:
+            status = mMaskBlocks[batch, head, m_block, n_block]
+            if status != BLOCK_FULL:
                 if const_expr(self.attn_mask == "bool"):
                     apply_mask_words(acc_S, tScS, t0ScS, words)
                 else:
-                    apply_attn_mask(acc_S, tScS, mMask[batch, head, None, None], m_block * self.tile_m,
-                                    n_block * self.tile_n, seqlen_q, seqlen_k, True, inv_scale,
-                                    keys_in_rows=self.swap_sdp)
+                    if status == BLOCK_BITS:
+                        apply_mask_words(acc_S, tScS, t0ScS, words)
+                    else:
+                        apply_attn_mask(acc_S, tScS, mMask[batch, head, None, None], m_block * self.tile_m,
+                                        n_block * self.tile_n, seqlen_q, seqlen_k, True, inv_scale,
+                                        keys_in_rows=self.swap_sdp)
         needs_mask = last_key >= seqlen_k
         if const_expr(self.causal):
             needs_mask = needs_mask | (last_key > m_block * self.tile_m + offset)
@@ -752,7 +760,7 @@ def build(spec: KernelSpec):
             stride_order=(3, 2, 1, 0), assumed_align=4),
         Int32(1),  # heads interleaved at launch (deterministic variants whose walks are in step)
         cu_seqlens(), cu_seqlens(), Int32(0), Int32(0),  # row bounds (common.seqlen), max_seqlen (q, k)
-        *mask_fakes(spec["attn_mask"], dtype, bool_as_bits=True),
+        *mask_fakes(spec["attn_mask"], dtype),
         Float32(1.0), Int32(0), Int32(0), Float32(1.0),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )

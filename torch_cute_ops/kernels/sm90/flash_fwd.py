@@ -42,7 +42,7 @@ from ..common.flash_common import (
     warpgroup_gemm,
 )
 from ..common.mask import (
-    BLOCK_FULL, KeyRange, apply_attn_mask, apply_mask_words, apply_softcap, load_mask_words, mask_scores,
+    BLOCK_BITS, BLOCK_FULL, KeyRange, apply_attn_mask, apply_mask_words, apply_softcap, load_mask_words, mask_scores,
 )
 from ..common.softmax import OnlineSoftmax, scale_rows
 from ..common.tile_scheduler import AttentionTileScheduler, TileSource
@@ -120,7 +120,7 @@ class FlashFwdSm90:
         # PyTorch's attn_mask ("bool" or "add"itive) read where its block summary says partial
         self.attn_mask = attn_mask
         self.masked = attn_mask != "none"
-        assert attn_mask != "bool" or config.tile_n % 32 == 0, "a bit-packed mask needs whole words per key block"
+        assert attn_mask == "none" or config.tile_n % 32 == 0, "bit-packed masks need whole words per key block"
         # flash-decoding: each tile's key range split over num_splits CTAs, which store fp32
         # partial O and lse; a combine kernel merges them
         self.split_kv = split_kv
@@ -165,6 +165,7 @@ class FlashFwdSm90:
         max_seqlen_k: Int32,
         mMask: cute.Tensor,  # masked variants: attn_mask (B, H_q, S_q, S_k), any strides, a bool one
         #                      bit-packed (mask_args); else unread
+        mMaskBits: cute.Tensor,  # additive variants: the mask's zeros, bit-packed (mask_args); else unread
         mMaskBlocks: cute.Tensor,  # its block summary (B, H_q, M blocks, N blocks) int8 (BLOCK_*)
         mMaskRange: cute.Tensor,  # (B, H_q, M blocks, 2) int32: the first and past-last live key block
         softmax_scale: Float32,
@@ -246,7 +247,7 @@ class FlashFwdSm90:
             mQ if const_expr(self.gathered_rows) else tma_mQ, tma_mK, tma_mV, tma_mO, mO_rows, mLSE_rows,
             mTileCounter, mSeqInfoQ, mSeqInfoK, tiles_batch,
             num_splits,
-            mMask, mMaskBlocks, mMaskRange, 1.0 / softmax_scale, max_seqlen_q, max_seqlen_k,
+            mMask, mMaskBits, mMaskBlocks, mMaskRange, 1.0 / softmax_scale, max_seqlen_q, max_seqlen_k,
             tma_q, tma_k, tma_v, tma_o,
             tiled_mma_qk, tiled_mma_pv,
             q_layout, k_layout, v_layout,
@@ -293,6 +294,7 @@ class FlashFwdSm90:
         num_batch: Int32,
         num_splits: Int32,
         mMask: cute.Tensor,
+        mMaskBits: cute.Tensor,
         mMaskBlocks: cute.Tensor,
         mMaskRange: cute.Tensor,
         inv_scale: Float32,
@@ -395,8 +397,8 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(mO, mO_rows, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tile_source, scale_log2, cap_scale,
-                         cute.size(mQ, mode=[0]), mK.shape[0], mSeqInfoQ, mSeqInfoK, mMask, mMaskBlocks, mMaskRange,
-                         inv_scale, window_left, window_right, pages_per_entry, page_size, splits)
+                         cute.size(mQ, mode=[0]), mK.shape[0], mSeqInfoQ, mSeqInfoK, (mMask, mMaskBits), mMaskBlocks,
+                         mMaskRange, inv_scale, window_left, window_right, pages_per_entry, page_size, splits)
 
     # -------------------------------------------------------------- producer
     @cute.jit
@@ -517,7 +519,7 @@ class FlashFwdSm90:
     def consume(self, mO, mO_rows, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                 pipe_q, pipe_k, pipe_v, tile_source: TileSource,
                 scale_log2: Float32, cap_scale: Float32, seqlen_q: Int32, seqlen_k: Int32,
-                mSeqInfoQ, mSeqInfoK, mMask, mMaskBlocks, mMaskRange, inv_scale: Float32,
+                mSeqInfoQ, mSeqInfoK, user_mask, mMaskBlocks, mMaskRange, inv_scale: Float32,
                 window_left: Int32, window_right: Int32, pages_per_entry: Int32, page_size: Int32, splits):
         D = self.head_dim
         tidx = cute.arch.thread_idx()[0] - 128
@@ -569,8 +571,8 @@ class FlashFwdSm90:
                 keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch, split,
                                       splits)
                 row_start = m_block * self.tile_m + wg * 64
-                mask, load_words = self.tile_mask(tScS, t0ScS, m_block, head, batch, bounds, window_left,
-                                                  window_right, cap_scale, mMask, inv_scale)
+                masks = self.tile_mask(tScS, t0ScS, m_block, head, batch, bounds, window_left, window_right,
+                                       cap_scale, user_mask, inv_scale)
 
                 softmax.reset()
                 acc_o.fill(0.0)
@@ -583,7 +585,7 @@ class FlashFwdSm90:
                 if const_expr(self.gathered_rows):
                     cute.arch.fence_view_async_shared()  # the lanes' cp.async writes and the zeros, seen by WGMMA
                     cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
-                kv_state = self.attend_keys(kv_state, keys, qk_gemm, pv_gemm, to_p, mask, load_words, softmax, acc_o,
+                kv_state = self.attend_keys(kv_state, keys, qk_gemm, pv_gemm, to_p, masks, softmax, acc_o,
                                             o_scale, pipe_q, pipe_k, pipe_v, q_state, wg,
                                             (mMaskBlocks, batch, head, m_block))
                 if const_expr(self.split_kv):
@@ -600,33 +602,40 @@ class FlashFwdSm90:
 
     @cute.jit
     def tile_mask(self, tScS, t0ScS, m_block, head, batch, bounds: SeqBounds, window_left: Int32,
-                  window_right: Int32, cap_scale: Float32, mMask, inv_scale: Float32):
-        """The score mask of one tile (its band, key tail, softcap, attn_mask) as one callable, and
-        a bool attn_mask's word loader (None without one)."""
+                  window_right: Int32, cap_scale: Float32, user_mask, inv_scale: Float32):
+        """The score mask of one tile (its band, key tail, softcap, attn_mask) as one callable, the
+        loader of the attn_mask's bit-packed words (a bool mask's, an additive mask's zeros; None
+        without one) and, for an additive mask, the mask of its ``BLOCK_BITS`` blocks, which reads
+        those words instead of the values (else None). ``user_mask``: (mMask, mMaskBits)."""
+        mMask, mMaskBits = user_mask
         mask = partial(mask_scores, tScS=tScS, t0ScS=t0ScS, row_start=m_block * self.tile_m,
                        seqlen_q=bounds.seqlen_q, seqlen_k=bounds.seqlen_k, local=self.local, left=window_left,
                        right=window_right, rows_per_query=self.rows_per_query)
         if const_expr(self.softcap):
             mask = partial(_capped_mask, mask, cap_scale)
-        load_words = None
-        if const_expr(self.attn_mask == "bool"):
-            load_words = partial(load_mask_words, mMask[batch, head, None, None], tScS,
+        load_words, bits_mask = None, None
+        if const_expr(self.attn_mask != "none"):
+            mBits = mMask if const_expr(self.attn_mask == "bool") else mMaskBits
+            load_words = partial(load_mask_words, mBits[batch, head, None, None], tScS,
                                  m_block * self.tile_m, tile_n=self.tile_n)
-            mask = partial(_user_mask, mask, partial(_bool_mask, load_words, tScS, t0ScS))
+            bits_mask = partial(_user_mask, mask, partial(_bool_mask, load_words, tScS, t0ScS))
+        if const_expr(self.attn_mask == "bool"):
+            mask, bits_mask = bits_mask, None
         if const_expr(self.attn_mask == "add"):
-            user_mask = partial(apply_attn_mask, tScS=tScS, mMask=mMask[batch, head, None, None],
-                                row_start=m_block * self.tile_m, seqlen_q=bounds.seqlen_q,
-                                seqlen_k=bounds.seqlen_k, additive=True, inv_scale=inv_scale)
-            mask = partial(_user_mask, mask, user_mask)
-        return mask, load_words
+            values = partial(apply_attn_mask, tScS=tScS, mMask=mMask[batch, head, None, None],
+                             row_start=m_block * self.tile_m, seqlen_q=bounds.seqlen_q,
+                             seqlen_k=bounds.seqlen_k, additive=True, inv_scale=inv_scale)
+            mask = partial(_user_mask, mask, values)
+        return mask, load_words, bits_mask
 
     @cute.jit
-    def attend_keys(self, kv_state, keys, qk_gemm, pv_gemm, to_p, mask, load_words, softmax: OnlineSoftmax,
+    def attend_keys(self, kv_state, keys, qk_gemm, pv_gemm, to_p, masks, softmax: OnlineSoftmax,
                     acc_o, o_scale, pipe_q, pipe_k, pipe_v, q_state, wg, mask_blocks):
         """One tile's walk over its key blocks ``keys`` (newest first), O and the softmax
         accumulated; Q is released as soon as the last QK GEMM is issued when O has its own smem.
-        ``mask_blocks``: (mMaskBlocks, batch, head, m_block), the tile's attn_mask block summary
-        (read by masked variants only)."""
+        ``masks``: :meth:`tile_mask`'s; ``mask_blocks``: (mMaskBlocks, batch, head, m_block), the
+        tile's attn_mask block summary (read by masked variants only)."""
+        mask, load_words, bits_mask = masks
         n_min, n_max = keys.n_block_min, keys.n_block_max
         banded = self.causal or self.local
         if n_max > n_min:
@@ -634,7 +643,15 @@ class FlashFwdSm90:
             pipe_k.consumer_wait(kv_state)
             acc_s = qk_gemm(kv_state.index, 0)
             pipe_k.consumer_release(kv_state)
-            mask(acc_s, col_start=(n_max - 1) * self.tile_n, causal=self.causal, mask_seqlen=True)
+            first_block = {"col_start": (n_max - 1) * self.tile_n, "causal": self.causal, "mask_seqlen": True}
+            if const_expr(bits_mask is not None):  # an additive mask: by its bits where they say all
+                mMaskBlocks, batch, head, m_block = mask_blocks
+                if mMaskBlocks[batch, head, m_block, n_max - 1] == BLOCK_BITS:
+                    bits_mask(acc_s, **first_block)
+                else:
+                    mask(acc_s, **first_block)
+            else:
+                mask(acc_s, **first_block)
             softmax.step(acc_s, is_first=True)
             to_p(acc_s)
             # blocks n_max-2 .. n_min, newest first: those crossing the band's right edge
@@ -649,7 +666,8 @@ class FlashFwdSm90:
             if const_expr(self.local):
                 free_end = cutlass.max(cutlass.min(keys.n_block_min_unmasked, right_end), n_min)
             if const_expr(self.masked):
-                # attn_mask: each block as its summary says (full: no mask, else masked);
+                # attn_mask: each block as its summary says (full: no mask, else masked: by its
+                # bits for a bool mask and an additive one's BLOCK_BITS, else by its values);
                 # the next block's kind is read one block ahead, off the critical path
                 mMaskBlocks, batch, head, m_block = mask_blocks
                 blocks = mMaskBlocks[batch, head, m_block, None]
@@ -662,9 +680,19 @@ class FlashFwdSm90:
                             kv_state, n_block, qk_gemm, pv_gemm, to_p, mask, False,
                             softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
                     else:
-                        kv_state = self.overlapped_block(
-                            kv_state, n_block, qk_gemm, pv_gemm, to_p, mask, True,
-                            softmax, acc_o, o_scale, pipe_k, pipe_v, wg, load_words)
+                        if const_expr(bits_mask is None):
+                            kv_state = self.overlapped_block(
+                                kv_state, n_block, qk_gemm, pv_gemm, to_p, mask, True,
+                                softmax, acc_o, o_scale, pipe_k, pipe_v, wg, load_words)
+                        else:
+                            if kind == BLOCK_BITS:
+                                kv_state = self.overlapped_block(
+                                    kv_state, n_block, qk_gemm, pv_gemm, to_p, bits_mask, True,
+                                    softmax, acc_o, o_scale, pipe_k, pipe_v, wg, load_words)
+                            else:
+                                kv_state = self.overlapped_block(
+                                    kv_state, n_block, qk_gemm, pv_gemm, to_p, mask, True,
+                                    softmax, acc_o, o_scale, pipe_k, pipe_v, wg)
                     kind = next_kind
             else:
                 for i in cutlass.range(right_end - free_end, unroll=1):
@@ -810,7 +838,7 @@ def build(spec: KernelSpec):
     cu_seqlens = lambda: cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, cu_seqlens(), cu_seqlens(),
-                 Int32(0), Int32(0), *mask_fakes(spec["attn_mask"], dtype, bool_as_bits=True), 1.0, Int32(0), Int32(0),
+                 Int32(0), Int32(0), *mask_fakes(spec["attn_mask"], dtype), 1.0, Int32(0), Int32(0),
                  Float32(1.0),
                  132, stream, *split_fakes(head_dim))
     return kernel, fake_args
