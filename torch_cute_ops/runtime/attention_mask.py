@@ -30,8 +30,9 @@ def _additive_live(mask: torch.Tensor) -> torch.Tensor:
     """The scores an additive mask leaves a weight: not -inf, and not the dtype's lowest value
     (the "hidden" of masks made with ``torch.finfo(dtype).min``: next to any other key of its
     row, its weight exp(lowest + score - max) is exactly 0 in fp32, so a block of them is
-    skipped like -inf). A row with no other key keeps its lowest values: PyTorch attends to
-    them then (uniformly where they swamp the scores), and so do the kernels."""
+    skipped like -inf). A row with no other key keeps its lowest values for the kernels to add:
+    PyTorch attends to them then, and so do the kernels where the value stays finite in their
+    fp32 scores (fp16's; bf16's overflows to -inf there, a row that sees nothing)."""
     above_lowest = mask > torch.finfo(mask.dtype).min
     blind_rows = ~above_lowest.any(dim=-1, keepdim=True)
     return above_lowest | (blind_rows & (mask != float("-inf")))
