@@ -163,19 +163,6 @@ BWD_TILES = {
 STAT_PAD = 128  # lse and delta rows are padded to whole query blocks for their TMA loads
 
 
-# Head dims whose backward adds dQ in key-block order even when not asked to, where the key blocks
-# see different query ranges (causal, windows, masks): at D256 the ordered adds ran faster there
-# than the free-for-all ones (bench/NOTES.md, session 11; level since session 26's stage change),
-# and they are reproducible. A full backward's key blocks each start their walk at a different
-# query block instead, unordered (faster there, session 26).
-ORDERED_DQ_HEAD_DIMS = (256,)
-
-
-def orders_dq_adds(head_dim: int, deterministic: bool, causal: bool, local: bool, attn_mask: str) -> bool:
-    """Whether the backward adds dQ in key-block order (see ``ORDERED_DQ_HEAD_DIMS``)."""
-    ranged = causal or local or attn_mask != "none"
-    return deterministic or (head_dim in ORDERED_DQ_HEAD_DIMS and ranged)
-
 
 @functools.lru_cache(maxsize=None)
 def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False,
@@ -691,9 +678,8 @@ def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False,
     if reason:
         return reason
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    ordered = orders_dq_adds(q.shape[-1], deterministic, causal, local, attn_mask)
     spec = bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal, local=local, softcap=softcap, rows=rows,
-                    attn_mask=attn_mask, deterministic=ordered)
+                    attn_mask=attn_mask, deterministic=deterministic)
     return FlashBwdLaunch(spec, device_index)
 
 
