@@ -24,7 +24,7 @@ from triton.testing import do_bench
 SHAPES = [  # (batch, seqlen, heads, head_dim, causal): the quick grid's D128 row, D64, D256
     (16, 1024, 16, 128, True), (4, 4096, 16, 128, False), (4, 4096, 16, 128, True),
     (1, 16384, 16, 128, True), (2, 8192, 32, 64, True), (2, 8192, 8, 256, True),
-    (16, 1024, 8, 256, False), (4, 4096, 8, 256, False),  # D256 full: unordered by default
+    (16, 1024, 8, 256, False), (4, 4096, 8, 256, False),  # D256 full: rotated (S1k) and in-step walks
 ]
 
 
