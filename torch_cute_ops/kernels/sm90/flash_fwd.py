@@ -41,14 +41,13 @@ from ..common.flash_common import (
     LOG2_E, acc_as_operand_a, acc_as_rows_cols, convert_to_16bit, swizzled_smem_layout, tiled_wgmma, transposed_view,
     warpgroup_gemm,
 )
-from ..common.mask import (
-    BLOCK_BITS, BLOCK_FULL, KeyRange, apply_attn_mask, apply_mask_words, apply_softcap, load_mask_words, mask_scores,
-)
+from ..common.mask import BLOCK_BITS, BLOCK_FULL, KeyRange
 from ..common.softmax import OnlineSoftmax, scale_rows
 from ..common.tile_scheduler import AttentionTileScheduler, TileSource
 from ..common.seqlen import SeqBounds, gqa_rows, load_rows, seq_major, store_rows, zero_rows
 from ..common.mask_args import mask_fakes
 from ..common.split_kv import SplitKvCombine, split_fakes, store_partial
+from .flash_fwd_mask import ScoreMasks
 
 _CUTE_DTYPE = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
@@ -71,35 +70,12 @@ def _pv_gemm(tiled_mma, acc_o, tOrP, tOrVt, stage, wait):
     warpgroup_gemm(tiled_mma, acc_o, tOrP, tOrVt[None, None, None, stage], False, wait)
 
 
-def _capped_mask(mask, cap_scale, acc_s, **kwargs):
-    """Soft-capping goes before the mask: masked scores must stay -inf."""
-    apply_softcap(acc_s, cap_scale)
-    mask(acc_s, **kwargs)
-
-
-def _user_mask(mask, user_mask_fn, acc_s, col_start, words=None, **kwargs):
-    """PyTorch's attn_mask values on this block (a bool mask's ``words`` when prefetched), then
-    the band and seqlen masks."""
-    if words is None:
-        user_mask_fn(acc_s, col_start=col_start)
-    else:
-        user_mask_fn(acc_s, col_start=col_start, words=words)
-    mask(acc_s, col_start=col_start, **kwargs)
-
-
-def _bool_mask(load_words, tScS, t0ScS, acc_s, col_start, words=None):
-    """A bit-packed bool attn_mask on this block; its words are loaded here unless prefetched."""
-    if words is None:
-        words = load_words(col_start=col_start)
-    apply_mask_words(acc_s, tScS, t0ScS, words)
-
-
 def _scores_to_p(tOrP, acc_s):
     """P = exp'd scores in 16 bits, laid out as the A operand of the PV WGMMA."""
     convert_to_16bit(acc_as_operand_a(acc_s), tOrP)
 
 
-class FlashFwdSm90:
+class FlashFwdSm90(ScoreMasks):
     def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig, local: bool = False,
                  softcap: bool = False, rows: str = "dense", attn_mask: str = "none", split_kv: bool = False,
                  rows_per_query: int = 1, bounded_scores: bool = False):
@@ -599,34 +575,6 @@ class FlashFwdSm90:
                     pipe_q.consumer_release(q_state)
                 q_state.advance()
             tile, tile_state = tile_source.consume_next(tile, tile_state)
-
-    @cute.jit
-    def tile_mask(self, tScS, t0ScS, m_block, head, batch, bounds: SeqBounds, window_left: Int32,
-                  window_right: Int32, cap_scale: Float32, user_mask, inv_scale: Float32):
-        """The score mask of one tile (its band, key tail, softcap, attn_mask) as one callable, the
-        loader of the attn_mask's bit-packed words (a bool mask's, an additive mask's zeros; None
-        without one) and, for an additive mask, the mask of its ``BLOCK_BITS`` blocks, which reads
-        those words instead of the values (else None). ``user_mask``: (mMask, mMaskBits)."""
-        mMask, mMaskBits = user_mask
-        mask = partial(mask_scores, tScS=tScS, t0ScS=t0ScS, row_start=m_block * self.tile_m,
-                       seqlen_q=bounds.seqlen_q, seqlen_k=bounds.seqlen_k, local=self.local, left=window_left,
-                       right=window_right, rows_per_query=self.rows_per_query)
-        if const_expr(self.softcap):
-            mask = partial(_capped_mask, mask, cap_scale)
-        load_words, bits_mask = None, None
-        if const_expr(self.attn_mask != "none"):
-            mBits = mMask if const_expr(self.attn_mask == "bool") else mMaskBits
-            load_words = partial(load_mask_words, mBits[batch, head, None, None], tScS,
-                                 m_block * self.tile_m, tile_n=self.tile_n)
-            bits_mask = partial(_user_mask, mask, partial(_bool_mask, load_words, tScS, t0ScS))
-        if const_expr(self.attn_mask == "bool"):
-            mask, bits_mask = bits_mask, None
-        if const_expr(self.attn_mask == "add"):
-            values = partial(apply_attn_mask, tScS=tScS, mMask=mMask[batch, head, None, None],
-                             row_start=m_block * self.tile_m, seqlen_q=bounds.seqlen_q,
-                             seqlen_k=bounds.seqlen_k, additive=True, inv_scale=inv_scale)
-            mask = partial(_user_mask, mask, values)
-        return mask, load_words, bits_mask
 
     @cute.jit
     def attend_keys(self, kv_state, keys, qk_gemm, pv_gemm, to_p, masks, softmax: OnlineSoftmax,
