@@ -14,7 +14,8 @@ warpgroup owns 64 query rows of a ``tile_m = 64 * num_wg`` query block.
   warpgroups, named barriers hand the tensor cores round-robin (ping-pong), so
   one WG's softmax runs under another's GEMMs;
 * causal masks only on the key blocks that cross the diagonal; blocks fully
-  above it are never loaded;
+  above it are never loaded (the score masks, attn_mask's included, are composed in
+  flash_fwd_mask.py);
 * a persistent scheduler (``tile_scheduler.AttentionTileScheduler``): static for
   equal-length tiles; causal tiles longest-first and claimed dynamically from an
   atomic counter by the producer warp, which passes each claim to the consumers
