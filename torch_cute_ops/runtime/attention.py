@@ -163,6 +163,13 @@ BWD_TILES = {
 STAT_PAD = 128  # lse and delta rows are padded to whole query blocks for their TMA loads
 
 
+def bwd_keys_in_rows(tile_n: int) -> bool:
+    """Whether the backward computes S (and dP) transposed, keys along WGMMA's M: with two 64-key
+    halves per key block (kernels/sm90/flash_bwd.py says why). A bool mask's bits are then
+    packed by key rows (``attention_mask.bwd_mask_summary``)."""
+    return tile_n == 128
+
+
 
 @functools.lru_cache(maxsize=None)
 def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False,
@@ -618,10 +625,9 @@ class FlashBwdLaunch:
         batch, seqlen_q, heads, head_dim = q.shape
         seqlen_k, kv_heads = k.shape[1], k.shape[2]
         tiles = BWD_TILES[head_dim][:2]
-        keys_in_rows = tiles[1] == 128  # the kernel's S is transposed (FlashBwdSm90.swap_sdp)
         blocks, ranges, bits = mask_summary(
             attn_mask, ("bwd", seqlen_q, seqlen_k, tiles, kv_heads),
-            lambda: bwd_mask_summary(attn_mask, seqlen_q, seqlen_k, tiles, kv_heads, keys_in_rows))
+            lambda: bwd_mask_summary(attn_mask, seqlen_q, seqlen_k, tiles, kv_heads, bwd_keys_in_rows(tiles[1])))
         delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
                                                     head_dim, self.tile_m, q.device)
         m_blocks, n_blocks = blocks.shape[-2:]

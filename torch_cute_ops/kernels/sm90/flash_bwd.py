@@ -45,7 +45,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from ...runtime.attention import STAT_PAD as _STAT_PAD
+from ...runtime.attention import STAT_PAD as _STAT_PAD, bwd_keys_in_rows
 from ...runtime.spec import KernelSpec
 from ..common.flash_common import (
     LOG2_E, acc_as_rows_cols, convert_to_16bit, swizzled_smem_layout, tiled_wgmma, transposed_view, warpgroup_gemm,
@@ -107,7 +107,7 @@ class FlashBwdSm90(DqAccumulation):
         # keys along WGMMA's M): each warpgroup then holds P^T and dS^T of its own keys in
         # registers, exactly the A operands of dV += P^T dO and dK += dS^T Q, and only dS
         # goes through smem (for dQ). Narrower key blocks split S by keys along N instead.
-        self.swap_sdp = tile_n == 128
+        self.swap_sdp = bwd_keys_in_rows(tile_n)
         # 128 query rows: S^T, dP^T (64 fp32 each), P^T (32) and dK, dV (64) fill the 240
         # registers, so dV's WGMMA waits until dS is formed instead of overlapping it (its
         # register operand in flight made ptxas serialize the WGMMAs)
