@@ -136,3 +136,26 @@ def test_dq_turns_count_the_higher_key_blocks_that_visit_each_query_block():
             for m in range(m_blocks):
                 higher = sum(int(start[b, 0, j] <= m < end[b, 0, j]) for j in range(n + 1, 9))
                 assert turns[b, 0, n, m] == higher, (b, n, m)
+
+
+def test_walks_in_step_tells_full_and_padded_masks_from_staggered_ones():
+    """The deterministic backward interleaves heads at launch only where every live key block of
+    a (batch, kv head) visits the same query blocks: a full mask with key padding per sequence
+    is in step (its padded key blocks do not walk), a causal one is not, a mask with nothing
+    live is."""
+    from torch_cute_ops.runtime.attention_mask import live_ranges, mask_blocks, walks_in_step
+
+    torch.manual_seed(0)
+    s, tiles = 640, (128, 128)
+    full = torch.ones(2, 1, s, s, dtype=torch.bool)
+    full[0, ..., 300:] = False  # key padding of the first sequence
+    causal = torch.ones(s, s, dtype=torch.bool).tril()[None, None].expand(2, 1, s, s)
+    rand = torch.rand(2, 1, s, s) > 0.5
+    nothing = torch.zeros(2, 1, s, s, dtype=torch.bool)
+    for mask, expected in ((full, True), (causal, False), (rand, True), (nothing, True)):
+        ranges = live_ranges(mask_blocks(mask, s, s, *tiles).transpose(-1, -2))
+        assert walks_in_step(ranges) is expected
+    staggered_in_one_entry = full.clone()
+    staggered_in_one_entry[1] = causal[1]
+    ranges = live_ranges(mask_blocks(staggered_in_one_entry, s, s, *tiles).transpose(-1, -2))
+    assert walks_in_step(ranges) is False

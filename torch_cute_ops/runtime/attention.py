@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import get_compiled
-from .attention_mask import bwd_mask_summary, dq_turns, fwd_mask_summary, kernel_mask, mask_summary
+from .attention_mask import bwd_mask_summary, dq_turns, fwd_mask_summary, kernel_mask, mask_summary, walks_in_step
 from .attention_mask import mask_kind  # noqa: F401 (the op layer asks the host for it)
 from .lasting import lasting
 from .scratch import zeroed_int32
@@ -594,19 +594,20 @@ class FlashBwdLaunch:
         # the default variants' placeholder for the add counts: the compiled signature is 4-D
         self.unused_order = self.unused.view(1, 1, 1, 1)
 
-    def _dq_order(self, dq_accum: torch.Tensor, seqlen_k: int, turns: torch.Tensor | None = None) -> tuple:
+    def _dq_order(self, dq_accum: torch.Tensor, seqlen_k: int, turns: torch.Tensor | None = None,
+                  in_step: bool = True) -> tuple:
         """Deterministic variants: one zeroed int32 per dQ accumulator tile, the count of key
         blocks added to it so far (the next one waits for its turn), with a mask each key
         block's turn per query block (:func:`dq_turns`), and how many heads' launches take turns
-        (about the CTAs resident at once over a head's key blocks; read where the key blocks walk
-        in step, kernels.sm90.flash_bwd_dq); else placeholders (the compiled signature is 4-D
-        either way)."""
+        (about the CTAs resident at once over a head's key blocks; read by the variants whose key
+        blocks walk in step, kernels.sm90.flash_bwd_dq, and 1 where a mask staggers the walks:
+        ``in_step``); else placeholders (the compiled signature is 4-D either way)."""
         if not self.deterministic:
             return self.unused_order, self.unused_order, 1
         order = torch.zeros(dq_accum.shape[:4], dtype=torch.int32, device=dq_accum.device)
         if not self.num_sms:
             self.num_sms = num_sms(self.device_index)
-        interleave = -(-self.num_sms // -(-seqlen_k // self.tile_n))
+        interleave = -(-self.num_sms // -(-seqlen_k // self.tile_n)) if in_step else 1
         return order, self.unused_order if turns is None else turns, interleave
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, window_left: int = 0,
@@ -631,13 +632,15 @@ class FlashBwdLaunch:
         delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
                                                     head_dim, self.tile_m, q.device)
         m_blocks, n_blocks = blocks.shape[-2:]
-        turns = None
+        turns, in_step = None, True
         if self.deterministic:
             # compact (batch, kv heads, key blocks, query blocks): few registers to index it
-            turns = mask_summary(attn_mask, ("bwd turns", batch, seqlen_q, seqlen_k, tiles, kv_heads), lambda: dq_turns(
-                ranges, m_blocks).expand(batch, kv_heads, n_blocks, m_blocks).contiguous())
+            turns, in_step = mask_summary(
+                attn_mask, ("bwd turns", batch, seqlen_q, seqlen_k, tiles, kv_heads),
+                lambda: (dq_turns(ranges, m_blocks).expand(batch, kv_heads, n_blocks, m_blocks).contiguous(),
+                         walks_in_step(ranges)))
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum,
-                *self._dq_order(dq_accum, seqlen_k, turns), self.unused, self.unused, 0, 0,
+                *self._dq_order(dq_accum, seqlen_k, turns, bool(in_step)), self.unused, self.unused, 0, 0,
                 *_mask_args(attn_mask, bits, batch, heads, seqlen_q, seqlen_k, self.device_index),
                 blocks.expand(batch, heads, m_blocks, n_blocks), ranges.expand(batch, kv_heads, n_blocks, 2),
                 softmax_scale, 0, 0, 0.0)

@@ -91,6 +91,23 @@ def dq_turns(ranges: torch.Tensor, m_blocks: int) -> torch.Tensor:
     return at_or_above - visits
 
 
+def walks_in_step(ranges: torch.Tensor) -> bool | None:
+    """Whether the live key blocks of each (batch, kv head) all visit the same query blocks
+    (given :func:`live_ranges`): a full or padded mask, not a causal one. Only then do the
+    deterministic backward's heads take turns at launch (kernels.sm90.flash_bwd_dq); on staggered
+    walks that launch order costs time. Reads back to the host (once per mask, the summary being
+    kept); None during a CUDA graph capture, which cannot."""
+    if capturing():
+        return None
+    start, end = ranges.unbind(-1)
+    live = end > start
+
+    def same(x):
+        return torch.where(live, x, x.max()).amin(-1) == torch.where(live, x, x.min()).amax(-1)
+
+    return bool(((~live.any(-1)) | (same(start) & same(end))).all())
+
+
 def live_ranges(blocks: torch.Tensor) -> torch.Tensor:
     """int32 (..., 2): the first and past-last non-empty block along the last dim ((0, 0) if none)."""
     live = blocks != BLOCK_EMPTY

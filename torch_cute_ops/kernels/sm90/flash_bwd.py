@@ -121,7 +121,8 @@ class FlashBwdSm90(DqAccumulation):
         # a full backward's key blocks start their walks at different query blocks (flash_bwd_dq.py
         # says why, and where ordered adds may)
         self.rotate = not (causal or local or self.masked) and rows == "dense"
-        # ordered adds over walks in step: a head's key blocks launch among other heads' (same file)
+        # ordered adds over walks in step: a head's key blocks launch among other heads' (same file;
+        # the host passes one head at a time where a mask staggers the walks)
         self.interleave_heads = deterministic and not (causal or local) and rows == "dense"
         self.pds_stages = self._pds_stages()
 
