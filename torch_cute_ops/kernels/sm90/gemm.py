@@ -519,7 +519,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             if finishes:
                 # ---- epilogue: alpha, bias and activation in fp32 registers, then out
                 self._scale_add_bias(acc, alpha, tCcC, column_values, mScaleA, row_start, mC_mnl.shape, batch_idx)
-                apply_activation(acc, self.activation)
+                apply_activation(acc, self.activation, prescaled=True)  # _scale_add_bias scaled its input
                 if cutlass.const_expr(self.direct_store):
                     self._store_direct(acc, tCcC, mC_mnl, row_start, col_start, batch_idx)
                 else:

@@ -16,6 +16,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
+from ..common.activation import input_scale
+
 
 class TmaStore(NamedTuple):
     """A tile group's path from registers through the smem ring to TMA stores."""
@@ -153,14 +155,19 @@ class GemmEpilogue:
     @cute.jit
     def _scale_add_bias(self, acc, alpha, tCcC, column_values, mScaleA, row_start, mn_shape, batch_idx):
         """acc = alpha * acc (* scale_a[row] * scale_b[col] for rowwise scales) (+ bias), the
-        per-column values from :meth:`_column_values`. Rows past M read the last row's values:
-        those outputs are never stored."""
+        per-column values from :meth:`_column_values`, times the activation's ``input_scale``
+        (folded into alpha and the bias). Rows past M read the last row's values: those outputs
+        are never stored."""
         last_row = mn_shape[0] - 1
         loaded_bias, scale_b = column_values
         if cutlass.const_expr(self.swap_ab):  # one value per row
-            bias = {row: Float32(loaded) for row, loaded in loaded_bias.items()}
+            bias = {row: (Float32(loaded),) for row, loaded in loaded_bias.items()}
         else:
             bias = {pair: self._bias_pair(loaded) for pair, loaded in loaded_bias.items()}
+        k = input_scale(self.activation)
+        if cutlass.const_expr(k != 1.0):
+            alpha = alpha * k
+            bias = {key: tuple(b * k for b in values) for key, values in bias.items()}
         for i in cutlass.range_constexpr(cute.size(acc)):
             coord = cute.idx2crd(i, acc.shape)
             pair, odd = (coord[0][2], coord[2]), coord[0][0]
@@ -169,7 +176,7 @@ class GemmEpilogue:
                 row = cutlass.min(row_start + tCcC[i][0], last_row)
                 scale = alpha * mScaleA[row, 0, batch_idx] * scale_b[pair][odd]
             if cutlass.const_expr(self.has_bias and self.swap_ab):
-                acc[i] = acc[i] * scale + bias[(coord[0][1], coord[1])]
+                acc[i] = acc[i] * scale + bias[(coord[0][1], coord[1])][0]
             elif cutlass.const_expr(self.has_bias):
                 acc[i] = acc[i] * scale + bias[pair][odd]
             else:
