@@ -30,9 +30,10 @@ Launch order of ordered walks in step (``interleave_heads``): key block n waits 
 n + 1 at every tile, one link (its add's completion, the release, the acquire) behind it, so a
 head's chain absorbs one new key block per link. Launched head after head, the CTAs that replace
 finished ones (a few per link, one per head in flight) would all join one head's chain and queue
-there. The host's ``dq_interleave`` (about the resident CTAs over a head's key blocks) heads
-take turns instead: key block N - 1 of each, then N - 2 of each, and so on, one group of heads
-after the other, so every wait is still on a CTA launched earlier.
+there. The host's ``dq_interleave`` (about the resident CTAs over a head's key blocks; 1 where
+an attn_mask staggers the walks, ``runtime.attention_mask.walks_in_step``) heads take turns
+instead: key block N - 1 of each, then N - 2 of each, and so on, one group of heads after the
+other, so every wait is still on a CTA launched earlier.
 """
 
 from __future__ import annotations
