@@ -2,8 +2,8 @@
 
 Shared by every GEMM family (sm90, sm100). The activation is a compile-time
 constant: each one is its own kernel variant, so no branch survives in the code.
-The formulas are ``torch_cute_ops.reference.gemm.ACTIVATIONS``' (gelu_tanh's also in a form
-for an input the epilogue has halved, with fewer instructions a value).
+The formulas are ``torch_cute_ops.reference.gemm.ACTIVATIONS``' (gelu_tanh's factored for an
+input the epilogue may already have halved).
 """
 
 from __future__ import annotations
@@ -24,18 +24,17 @@ def _relu(x: cutlass.Float32) -> cutlass.Float32:
 
 
 @cute.jit
-def _gelu_tanh(x: cutlass.Float32) -> cutlass.Float32:
-    inner = x * (_SQRT_2_OVER_PI + (_SQRT_2_OVER_PI * _GELU_CUBIC) * (x * x))
-    return 0.5 * x * (1.0 + cute.math.tanh(inner, fastmath=True))
+def _gelu_tanh_of_half(h: cutlass.Float32) -> cutlass.Float32:
+    # gelu_tanh of x = 2 h, factored for the FMA pipe: 0.5 x (1 + tanh(u)) = h + h tanh(u) as one
+    # FFMA, u = h (2 c + 8 c k h^2). An epilogue's alpha / bias FFMA can make h for free
+    # (input_scale); scaling by 1/2 is exact.
+    inner = h * ((2.0 * _SQRT_2_OVER_PI) + (8.0 * _SQRT_2_OVER_PI * _GELU_CUBIC) * (h * h))
+    return h + h * cute.math.tanh(inner, fastmath=True)
 
 
 @cute.jit
-def _gelu_tanh_of_half(h: cutlass.Float32) -> cutlass.Float32:
-    # the same gelu_tanh of x = 2 h, factored for the FMA pipe: h * (1 + tanh(u)) as one FFMA and
-    # u = h * (2 c + 8 c k h^2), two instructions fewer a value than _gelu_tanh. The epilogue's
-    # alpha / bias FFMA makes h for free (input_scale); scaling by 1/2 is exact.
-    inner = h * ((2.0 * _SQRT_2_OVER_PI) + (8.0 * _SQRT_2_OVER_PI * _GELU_CUBIC) * (h * h))
-    return h + h * cute.math.tanh(inner, fastmath=True)
+def _gelu_tanh(x: cutlass.Float32) -> cutlass.Float32:
+    return _gelu_tanh_of_half(x * 0.5)
 
 
 @cute.jit
