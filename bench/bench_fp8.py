@@ -15,7 +15,8 @@ triton.testing.do_bench medians through the public APIs, providers interleaved o
 
 Shapes: the GEMM bench shapes (bench_gemm.py) and, with ``--deepgemm``, DeepGEMM's dense shapes,
 printed next to the H800 figures DeepGEMM published (not measured here); with ``--decode``, a
-serving batch's rows (bench_gemm.py's decode M shapes), summarized apart. Writes DIR/fp8.json.
+serving batch's rows (bench_gemm.py's decode M shapes), summarized apart. ``--power`` adds
+sustained loops beside the SM clock and board power (bench/power.py). Writes DIR/fp8.json.
 """
 
 import argparse
@@ -30,6 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_gemm import ANCHOR_SHAPES, DECODE_M_SHAPES, LLM_SHAPES, fmt_tflops  # noqa: E402
 from bench.interleave import time_interleaved  # noqa: E402
+
+# --power's default shapes: square, the long-K LLM ones (blockwise's lowest), a wide one
+POWER_SHAPES = [(8192, 8192, 8192), (4096, 4096, 14336), (1024, 4096, 14336), (4096, 14336, 4096)]
 
 # DeepGEMM README (February 2025), normal dense GEMMs, H800 SXM, blockwise scales, bf16 out:
 # TFLOP/s as published there, not measured here
@@ -70,6 +74,9 @@ def main():
     parser.add_argument("--shapes", default="", help="MxNxK,... instead of the grid (e.g. 8192x8192x8192)")
     parser.add_argument("--configs", default="", help="extra tile configs to time bare (rowwise and blockwise "
                         "plans), e.g. '128x128c2x2,pp128x128c2x1' (pp = ping-pong)")
+    parser.add_argument("--power", action="store_true",
+                        help="also sustained loops with the SM clock and board power (bench/power.py): rowwise, "
+                        "blockwise and torch._scaled_mm rowwise at the --shapes given, else at POWER_SHAPES")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -148,7 +155,31 @@ def main():
     results["fallbacks"] = {f"{op}: {reason}": n for (op, reason), n in fallback.counts().items()}
     print(f"fallbacks: {results['fallbacks'] or 'none'}")
     print("* DeepGEMM: TFLOP/s published for an H800 (blockwise scales), not measured here")
+    if args.power:
+        results["power"] = power_table(tco, fp8, shapes if args.shapes else POWER_SHAPES)
     (out_dir / "fp8.json").write_text(json.dumps(results, indent=1))
+
+
+def power_table(tco, fp8, shapes):
+    """Sustained loops (bench/power.py): our rowwise and blockwise kernels and torch._scaled_mm
+    rowwise, TFLOP/s beside the SM clock, board power and TFLOP/s per watt."""
+    from bench.power import format_row, power_rows
+
+    print("\nsustained, back to back (SM clock and board power sampled meanwhile)")
+    table = []
+    for m, n, k in shapes:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        (qa_r, sa_r), (qb_r, sb_r) = fp8.quantize_rowwise(x), fp8.quantize_rowwise(w.t(), operand="b")
+        calls = {"row": lambda: tco.scaled_mm(qa_r, qb_r, sa_r, sb_r),
+                 "torch row": lambda: torch._scaled_mm(qa_r, qb_r, sa_r, sb_r, out_dtype=torch.bfloat16)}
+        if k % 128 == 0:
+            (qa_b, sa_b), (qb_b, sb_b) = fp8.quantize_blockwise(x), fp8.quantize_blockwise(w.t(), operand="b")
+            calls["block"] = lambda: tco.scaled_mm(qa_b, qb_b, sa_b, sb_b)
+        rows = power_rows(calls, 2 * m * n * k)
+        table.append({"shape": [m, n, k], "rows": rows})
+        print(format_row(f"{m} x {n} x {k}", rows))
+    return table
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ directly: no validation, dispatch or allocation), and prints TFLOP/s and ratios;
 fused bias + gelu_tanh epilogue against torch.addmm + F.gelu, the first-call compile time, and
 the eager per-call host time at 64x64x64 (``torch_cute_ops.measure.host_times``). ``--chain``
 adds chains of GEMMs issued back to back as a model's layers do (x <- x @ W_i, eager and as a
-CUDA graph replay, us per GEMM), where a GEMM's set-up overlaps the previous one's tail. Writes
+CUDA graph replay, us per GEMM), where a GEMM's set-up overlaps the previous one's tail.
+``--power`` adds sustained loops beside the SM clock and board power (bench/power.py). Writes
 DIR/gemm.json (and DIR/gemm.png when matplotlib is there).
 """
 
@@ -42,6 +43,8 @@ DECODE_M_SHAPES = [(m, n, k) for m in (1, 16, 32, 64) for n, k in LLM_NK]
 TWO_WAVE_SHAPES = [(m, n, k) for m in (384, 640, 1152) for n, k in LLM_NK]
 CHAIN_ROWS, CHAIN_WIDTH, CHAIN_DEPTH = (1, 16, 64, 128, 256), 4096, 8
 FUSED_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 14336, 4096), (16384, 4096, 4096)]
+# --power's default shapes: square, short K, the fused ones' widest, few rows
+POWER_SHAPES = [(8192, 8192, 8192), (8192, 8192, 1024), (4096, 14336, 4096), (256, 12288, 4096), (4096, 4096, 4096)]
 
 
 def quack_runs(quack, a, b) -> bool:
@@ -116,6 +119,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-fused", action="store_true", help="skip the fused-epilogue table")
     parser.add_argument("--chain", action="store_true", help="also chains of back-to-back GEMMs (eager, graph)")
+    parser.add_argument("--power", action="store_true",
+                        help="also sustained loops with the SM clock and board power (bench/power.py) at the "
+                        "--shapes given, else at POWER_SHAPES")
     parser.add_argument("--stream-k", action="store_true",
                         help="a column with the heuristic's config toggled to/from stream-K (bare), where it applies")
     args = parser.parse_args()
@@ -214,6 +220,8 @@ def main():
 
     if args.chain:
         results["chain_us_per_gemm"] = chain_table(tco.gemm, args.rounds)
+    if args.power:
+        results["power"] = power_table(tco, quack, shapes if args.shapes else POWER_SHAPES)
 
     results["host_overhead_us"] = host_overhead()
     # #16's bar is over the 15 grid shapes plus the few-row ones; the other groups are reported
@@ -237,6 +245,29 @@ def main():
           "(us/call) " + ", ".join(f"{k} {v:.1f}" for k, v in results["host_overhead_us"].items()))
     (out_dir / "gemm.json").write_text(json.dumps(results, indent=1))
     plot(results, out_dir)
+
+
+def power_table(tco, quack, shapes):
+    """Sustained loops (bench/power.py) of tco.gemm, cuBLAS and QuACK, and of the fused bias +
+    gelu_tanh epilogue at the fused shapes: is each at the board's power limit, and at what
+    TFLOP/s per watt."""
+    from bench.power import format_row, power_rows
+
+    print("\nsustained, back to back (SM clock and board power sampled meanwhile)")
+    table = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        calls = {"tco": lambda: tco.gemm(a, b), "cuBLAS": lambda: torch.matmul(a, b)}
+        if quack and quack_runs(quack, a, b):
+            calls["QuACK"] = lambda: quack(a, b)
+        if (m, n, k) in FUSED_SHAPES:
+            calls["tco fused"] = lambda: tco.gemm(a, b, bias, "gelu_tanh")
+        rows = power_rows(calls, 2 * m * n * k)
+        table.append({"shape": [m, n, k], "rows": rows})
+        print(format_row(f"{m} x {n} x {k}", rows))
+    return table
 
 
 def parse_config(name):
