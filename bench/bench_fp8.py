@@ -156,18 +156,16 @@ def main():
     print(f"fallbacks: {results['fallbacks'] or 'none'}")
     print("* DeepGEMM: TFLOP/s published for an H800 (blockwise scales), not measured here")
     if args.power:
-        results["power"] = power_table(tco, fp8, shapes if args.shapes else POWER_SHAPES)
+        from bench.power import power_table
+
+        results["power"] = power_table(shapes if args.shapes else POWER_SHAPES, power_calls(tco, fp8))
     (out_dir / "fp8.json").write_text(json.dumps(results, indent=1))
 
 
-def power_table(tco, fp8, shapes):
-    """Sustained loops (bench/power.py): our rowwise and blockwise kernels and torch._scaled_mm
-    rowwise, TFLOP/s beside the SM clock, board power and TFLOP/s per watt."""
-    from bench.power import format_row, power_rows
-
-    print("\nsustained, back to back (SM clock and board power sampled meanwhile)")
-    table = []
-    for m, n, k in shapes:
+def power_calls(tco, fp8):
+    """``--power``'s providers at one shape (bench/power.py): our rowwise and blockwise kernels
+    and torch._scaled_mm rowwise."""
+    def make_calls(m, n, k):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         (qa_r, sa_r), (qb_r, sb_r) = fp8.quantize_rowwise(x), fp8.quantize_rowwise(w.t(), operand="b")
@@ -176,10 +174,8 @@ def power_table(tco, fp8, shapes):
         if k % 128 == 0:
             (qa_b, sa_b), (qb_b, sb_b) = fp8.quantize_blockwise(x), fp8.quantize_blockwise(w.t(), operand="b")
             calls["block"] = lambda: tco.scaled_mm(qa_b, qb_b, sa_b, sb_b)
-        rows = power_rows(calls, 2 * m * n * k)
-        table.append({"shape": [m, n, k], "rows": rows})
-        print(format_row(f"{m} x {n} x {k}", rows))
-    return table
+        return calls
+    return make_calls
 
 
 if __name__ == "__main__":

@@ -221,7 +221,9 @@ def main():
     if args.chain:
         results["chain_us_per_gemm"] = chain_table(tco.gemm, args.rounds)
     if args.power:
-        results["power"] = power_table(tco, quack, shapes if args.shapes else POWER_SHAPES)
+        from bench.power import power_table
+
+        results["power"] = power_table(shapes if args.shapes else POWER_SHAPES, power_calls(tco, quack))
 
     results["host_overhead_us"] = host_overhead()
     # #16's bar is over the 15 grid shapes plus the few-row ones; the other groups are reported
@@ -247,15 +249,10 @@ def main():
     plot(results, out_dir)
 
 
-def power_table(tco, quack, shapes):
-    """Sustained loops (bench/power.py) of tco.gemm, cuBLAS and QuACK, and of the fused bias +
-    gelu_tanh epilogue at the fused shapes: is each at the board's power limit, and at what
-    TFLOP/s per watt."""
-    from bench.power import format_row, power_rows
-
-    print("\nsustained, back to back (SM clock and board power sampled meanwhile)")
-    table = []
-    for m, n, k in shapes:
+def power_calls(tco, quack):
+    """``--power``'s providers at one shape (bench/power.py): tco.gemm, cuBLAS and QuACK, and the
+    fused bias + gelu_tanh epilogue at the fused shapes."""
+    def make_calls(m, n, k):
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -264,10 +261,8 @@ def power_table(tco, quack, shapes):
             calls["QuACK"] = lambda: quack(a, b)
         if (m, n, k) in FUSED_SHAPES:
             calls["tco fused"] = lambda: tco.gemm(a, b, bias, "gelu_tanh")
-        rows = power_rows(calls, 2 * m * n * k)
-        table.append({"shape": [m, n, k], "rows": rows})
-        print(format_row(f"{m} x {n} x {k}", rows))
-    return table
+        return calls
+    return make_calls
 
 
 def parse_config(name):

@@ -79,6 +79,18 @@ def power_rows(calls: dict, flops: float, passes: int = 2, seconds: float = 2.0)
     return rows
 
 
+def power_table(shapes, make_calls, passes: int = 2) -> list:
+    """For each GEMM shape (M, N, K): ``make_calls(m, n, k)``'s providers through
+    :func:`power_rows`, printed as they finish; the rows, as JSON-ready dicts."""
+    print("\nsustained, back to back (SM clock and board power sampled meanwhile)")
+    table = []
+    for m, n, k in shapes:
+        rows = power_rows(make_calls(m, n, k), 2 * m * n * k, passes)
+        table.append({"shape": [m, n, k], "rows": rows})
+        print(format_row(f"{m} x {n} x {k}", rows))
+    return table
+
+
 def format_row(label: str, rows: dict) -> str:
     """One line: per provider TFLOP/s, MHz, W and TFLOP/s per watt."""
     parts = [f"{label:>22}"]

@@ -31,3 +31,19 @@ def test_power_rows_average_passes(monkeypatch):
     assert rows["b"]["tflops"] == 60.0 and rows["b"]["tflops_per_w"] is None
     line = power.format_row("8192 x 8192 x 8192", rows)
     assert "a   110 TF  1500 MHz  695 W 0.158 TF/W" in line and line.endswith("b    60")
+
+
+def test_power_table_runs_each_shape_once(monkeypatch, capsys):
+    built = []
+
+    def make_calls(m, n, k):
+        built.append((m, n, k))
+        return {"p": None}
+
+    monkeypatch.setattr(power, "sustained", lambda fn, seconds: {"calls_per_s": 10.0, "sm_mhz": None,
+                                                                  "watts": None, "limit_w": None})
+    table = power.power_table([(2, 3, 5), (7, 11, 13)], make_calls, passes=1)
+    assert built == [(2, 3, 5), (7, 11, 13)]
+    assert [row["shape"] for row in table] == [[2, 3, 5], [7, 11, 13]]
+    assert table[1]["rows"]["p"]["tflops"] == 10.0 * 2 * 7 * 11 * 13 / 1e12
+    assert "7 x 11 x 13" in capsys.readouterr().out
