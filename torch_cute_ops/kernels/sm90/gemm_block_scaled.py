@@ -243,15 +243,13 @@ class BlockScaledMainloop:
                                       slot_index)
             other_turn.arrive()
             warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(read_state)
+            read_state.advance()
             # (the two splits unrolled: the column groups' blocks are then compile-time)
             if starts_on_block:
                 self._promote(acc, acc_k, scales, first_block_groups=SCALE_BLOCK // 8)
             else:
                 self._promote(acc, acc_k, scales, first_block_groups=SCALE_BLOCK // 16)
-            # released after the promotion: the releasing lanes' predicate, which ptxas
-            # recomputes every k-tile, then stays off the path to the next batch's issue
-            ab_pipeline.consumer_release(read_state)
-            read_state.advance()
         return read_state
 
     @cute.jit
