@@ -187,6 +187,28 @@ def test_swapped_operands(mode, m, n, k, lead, tile_n, a_dtype, b_dtype, out_dty
     check(out, reference(a, b, sa, sb, mode, bias, activation))
 
 
+@pytest.mark.parametrize("m,n,k,lead,out_dtype,cluster,stream_k,with_bias", [
+    (300, 200, 128, (), torch.float32, (1, 1), False, False),  # one k-tile; a 44-row second tile
+    (257, 1000, 640, (), torch.bfloat16, (2, 1), False, True),  # one row in the second tile row
+    (1000, 584, 1664, (2,), torch.float32, (1, 1), False, False),  # batched; M and N tails
+    (4096, 3072, 16384, (), torch.bfloat16, (2, 1), False, False),  # many tiles per CTA, 128 k-tiles
+    (2000, 1000, 1024, (), torch.bfloat16, (1, 2), False, True),  # A multicast along N, N tail
+    (2048, 1920, 4096, (), torch.bfloat16, (2, 1), True, False),  # stream-K segments
+])
+def test_blockwise_256_row_tiles(m, n, k, lead, out_dtype, cluster, stream_k, with_bias):
+    """256 x 128 tiles (each warpgroup's rows in two waves of 64, issued, waited for and promoted
+    in turn): M and N tails, 1 to 128 k-tiles, batched, both cluster shapes, stream-K, bias and
+    activation, fp32 and bf16 out."""
+    from torch_cute_ops.runtime.gemm_config import GemmConfig
+
+    a, b, sa, sb = operands("block", m, n, k, lead)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16) * 4 if with_bias else None
+    activation = "silu" if with_bias else None
+    out = run_kernel(a, b, sa, sb, "block", bias, activation, out_dtype,
+                     config=GemmConfig(256, 128, *cluster, stream_k=stream_k))
+    check(out, reference(a, b, sa, sb, "block", bias, activation))
+
+
 @pytest.mark.parametrize("mode,m,n,k,config", [
     ("row", 4096, 4096, 4096, (128, 256, 2, 1)),
     ("tensor", 1000, 1000, 2048, (128, 128, 1, 1)),

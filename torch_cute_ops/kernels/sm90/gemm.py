@@ -98,8 +98,10 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         narrow_n = (16, 32) if config.swap_ab else ()  # a decode step's few rows as the MMA's N
         # 96 columns: N = 12288 in 128 tiles, about one wave on 132 SMs (runtime.gemm_config); 160:
         # N = 4096 in 26 columns of tiles, one wave of 130 at M = 640
-        if (config.tile_m not in (64, 128, 192) or config.tile_n not in (*narrow_n, 64, 96, 128, 160, 192, 256)
-                or (config.tile_m == 192 and (config.pingpong or config.tile_n > 192 or scale_mode == "block"))):
+        # 256 rows: blockwise only, two waves of 128 rows per warpgroup pair (gemm_block_scaled.py)
+        if (config.tile_m not in (64, 128, 192, 256) or config.tile_n not in (*narrow_n, 64, 96, 128, 160, 192, 256)
+                or (config.tile_m == 192 and (config.pingpong or config.tile_n > 192 or scale_mode == "block"))
+                or (config.tile_m == 256 and (config.pingpong or config.tile_n != 128 or scale_mode != "block"))):
             raise ValueError(f"unsupported sm90 tile {config.tile_mn}")
         if config.stream_k and config.pingpong:
             raise ValueError(f"stream-K runs cooperative tiles, got {config}")
@@ -130,13 +132,16 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         # the last tile row (column) moves back to end at row M (column N), see _tile_start; not
         # under stream-K, whose split tiles would store the outputs both tiles compute with other
         # roundings, and for columns not with blockwise scales, read per 128-column block of B
-        self.shift_rows = not config.stream_k
+        # (a 256-row tile stays put: its scale_a box, at most 256 rows, then starts 16-byte aligned)
+        self.shift_rows = not config.stream_k and config.tile_m != 256
         self.shift_cols = not config.stream_k and scale_mode != "block"
         self.tile_shape_mnk = (config.tile_m, config.tile_n, TILE_K_BYTES * 8 // ab_dtype.width)
         self.cluster_shape_mn = config.cluster_mn
         self.pingpong = config.pingpong
-        # warpgroups that share one tile (each owns 64 rows) and tile groups in flight
-        self.tile_wgs = 1 if self.pingpong else config.tile_m // 64
+        # warpgroups that share one tile (each owns 64 rows of every wave of 64 x tile_wgs rows)
+        # and tile groups in flight
+        self.tile_wgs = 1 if self.pingpong else 2 if config.tile_m == 256 else config.tile_m // 64
+        self.waves = config.tile_m // (64 * self.tile_wgs)
         self.num_tile_groups = 2 if self.pingpong else 1
         self.tile_threads = 128 * self.tile_wgs
         self.num_mma_threads = self.tile_threads * self.num_tile_groups
@@ -153,8 +158,9 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         self.epi_tile = (64 * self.tile_wgs, 32)
         # ping-pong keeps a ring per warpgroup: three subtiles each leave room for a fifth A/B
         # stage at 128 x 192 (QuACK's default tile and depth)
-        # (192-row tiles: two subtiles of 12 KB, so that 192 x 192 keeps four A/B stages)
-        self.epi_stages = 3 if config.pingpong else 2 if config.tile_m == 192 else 4
+        # (192-row tiles: two subtiles of 12 KB, so that 192 x 192 keeps four A/B stages; 256 x 128
+        # two of 8 KB for four stages of 48 KB)
+        self.epi_stages = 3 if config.pingpong else 2 if config.tile_m in (192, 256) else 4
         self.ab_stages = self._ab_stages()
 
     def _ab_stages(self) -> int:
@@ -445,6 +451,12 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         # smem descriptors are built in uniform registers), the epilogue by thread
         wg_slice = tiled_mma.get_slice(cute.arch.make_warp_uniform((group_tidx // 128) * 128))
         tCrA = tiled_mma.make_fragment_A(wg_slice.partition_A(sA))
+        if cutlass.const_expr(self.waves > 1):  # each wave's rows of A, issued on their own
+            wave_rows = 64 * self.tile_wgs
+            tCrA = tuple(
+                tiled_mma.make_fragment_A(wg_slice.partition_A(
+                    cute.local_tile(sA, (wave_rows, self.tile_shape_mnk[2]), (wave, 0, None))))
+                for wave in range(self.waves))
         tCrB = tiled_mma.make_fragment_B(wg_slice.partition_B(sB))
         tile_m, tile_n, _ = self.tile_shape_mnk
         # (m, n) of each accumulator value inside the tile
@@ -452,9 +464,10 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         acc = cute.make_rmem_tensor(tCcC.shape, Float32)
         if cutlass.const_expr(self.scale_mode == "block"):
             # k-tile partial sums, promoted into acc (gemm_block_scaled.py)
-            acc_k_tiles = tuple(cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(self._block_fragments()))
+            fragment_shape = tCcC.shape if self.waves == 1 else (tCcC.shape[0], 1, tCcC.shape[2])  # one wave's
+            acc_k_tiles = tuple(cute.make_rmem_tensor(fragment_shape, Float32) for _ in range(self._block_fragments()))
             turns = None
-            if cutlass.const_expr(self._block_fragments() == 1):
+            if cutlass.const_expr(self._block_fragments() == 1 and self.waves == 1):
                 turns = self._start_turns(cute.arch.make_warp_uniform(group_tidx // 128))
         if cutlass.const_expr(self.scale_mode == "tensor"):
             alpha = alpha * mScaleA[0] * mScaleB[0]

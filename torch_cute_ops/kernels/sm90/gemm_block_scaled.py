@@ -51,8 +51,9 @@ class BlockScaledMainloop:
     kernel object."""
 
     def _block_fragments(self) -> int:
-        """k-tile fragments per warpgroup: two while they fit beside the accumulator."""
-        return 2 if self.tile_shape_mnk[1] <= SCALE_BLOCK else 1
+        """k-tile fragments per warpgroup: two while they fit beside the accumulator (one a wave's
+        rows where the tile has several)."""
+        return 2 if self.tile_shape_mnk[1] <= SCALE_BLOCK and self.waves == 1 else 1
 
     @cute.jit
     def _start_turns(self, wg):
@@ -66,8 +67,9 @@ class BlockScaledMainloop:
 
     # ---- scales: loaded by TMA with each k-tile, into a slot of its A/B stage ------------------
     def _scale_box_a(self) -> int:
-        """Rows of a scale_a box: the tile's, after up to 3 of alignment."""
-        return self.tile_shape_mnk[0] + _BOX_ALIGN
+        """Rows of a scale_a box: the tile's, after up to 3 of alignment (a TMA box spans at most
+        256: a 256-row tile is never moved, so it starts aligned)."""
+        return self.tile_shape_mnk[0] + (_BOX_ALIGN if self.shift_rows else 0)
 
     def _scale_stage_bytes(self) -> int:
         """Bytes a k-tile's scales bring (the stage barrier's count): a box of scale_a and one of
@@ -170,7 +172,10 @@ class BlockScaledMainloop:
         (A_k @ B_k) * scale_a[row, k] * scale_b[k, col // 128]."""
         slot_index = self._scale_slot_index(acc, tCcC, row_start, col_start)
         num_scales = cute.size(slot_index[0]) + -(-self.tile_shape_mnk[1] // SCALE_BLOCK)
-        if cutlass.const_expr(self._block_fragments() == 2):
+        if cutlass.const_expr(self.waves > 1):
+            read_state = self._mainloop_waves(ab_pipeline, tiled_mma, acc, acc_k_tiles[0], tCrA, tCrB, read_state,
+                                              num_k_tiles, scale_smem, slot_index, num_scales)
+        elif cutlass.const_expr(self._block_fragments() == 2):
             read_state = self._mainloop_two_fragments(ab_pipeline, tiled_mma, acc, acc_k_tiles, tCrA, tCrB,
                                                       read_state, num_k_tiles, scale_smem, slot_index, num_scales)
         else:
@@ -251,6 +256,39 @@ class BlockScaledMainloop:
             else:
                 self._promote(acc, acc_k, scales, first_block_groups=SCALE_BLOCK // 16)
         return read_state
+
+    @cute.jit
+    def _mainloop_waves(self, ab_pipeline, tiled_mma, acc, acc_k, tCrA_waves, tCrB, read_state, num_k_tiles,
+                        scale_smem, slot_index, num_scales):
+        """Per k-tile, this warpgroup's rows of each wave in turn: issue the wave's batch into
+        ``acc_k`` (from zero), wait for it, promote it into the wave's rows of ``acc``. No turns:
+        each warpgroup's batches run while the other promotes (DeepGEMM's Hopper schedule). The
+        stage is released once the last wave's batch has read it."""
+        scales = cute.make_rmem_tensor((num_scales,), Float32)
+        acc.fill(0.0)
+        for k_tile in cutlass.range(num_k_tiles, unroll=1):
+            ab_pipeline.consumer_wait(read_state)
+            self._read_scales(scales, scale_smem, slot_index, read_state.index)
+            for wave in cutlass.range_constexpr(self.waves):
+                self._mma_k_tile(tiled_mma, acc_k, tCrA_waves[wave], tCrB, read_state.index, zero_init=True)
+                warpgroup.wait_group(0)
+                if wave == self.waves - 1:
+                    ab_pipeline.consumer_release(read_state)
+                self._promote_wave(acc, acc_k, scales, wave)
+            read_state.advance()
+        return read_state
+
+    @cute.jit
+    def _promote_wave(self, acc, acc_k, scales, wave: cutlass.Constexpr):
+        """acc[wave's rows] += acc_k * scale_a[row] * scale_b (one column block: 128-column
+        tiles). ``scales``: the thread's rows' scale_a, two per wave, then scale_b."""
+        frag_rows = cute.size(scales) - 1
+        row_scale = cute.make_rmem_tensor((2,), Float32)
+        for half in cutlass.range_constexpr(2):
+            row_scale[half] = scales[2 * wave + half] * scales[frag_rows]
+        for i in cutlass.range_constexpr(cute.size(acc_k)):
+            coord = cute.idx2crd(i, acc_k.shape)
+            acc[(coord[0], wave, coord[2])] = acc[(coord[0], wave, coord[2])] + acc_k[i] * row_scale[coord[0][1]]
 
     @cute.jit
     def _issue_scaled_k_tile(self, ab_pipeline, tiled_mma, acc_k, k_scales, tCrA, tCrB, read_state, scale_smem,
