@@ -343,23 +343,45 @@ def scaled_spec(host: GemmHost, a_dtype, b_dtype, out_dtype, bias_dtype, scale_m
 BLOCK_192_EFFICIENCY = 1.03
 
 
+# Blockwise 256 x 128 (each warpgroup's rows in two waves) against 128 x 128 where both fill their
+# waves, through the pipeline's polled waits: +5% at 4096 / 1024 x 4096 x 14336, and +2 to +5% over
+# 128 x 192 at 8192^3, 16384 x 8192 x 4096 and 4096 x 14336 x 4096 (H100, bench/NOTES.md, session
+# 34). Its 1 x 2 cluster (A multicast to the pair) was the faster one at four of those five shapes.
+BLOCK_256_EFFICIENCY = 1.06
+
+
+def _area_fill(m: int, n: int, batch: int, tile_m: int, tile_n: int, sms: int) -> float:
+    """The share of the SMs' tile slots over the waves a tiling takes that holds the problem
+    (tile padding past M and N counts as empty)."""
+    tiles = num_tiles(m, n, batch, tile_m, tile_n)
+    return m * n * batch / (max(-(-tiles // sms), 1) * sms * tile_m * tile_n)
+
+
 def block_scaled_config(config: GemmConfig, m: int | None = None, n: int | None = None, batch: int = 1,
                         sms: int = 132) -> GemmConfig:
     """Blockwise scales keep a k-tile fragment beside the accumulator (kernels/sm90/
-    gemm_block_scaled.py): cooperative tiles of 64 or 128 columns (two fragments), or 128 x 192
-    (one). A 128 x 256 pick (the heuristic's for wide problems) becomes 128 x 192 where that
-    fills the waves about as well as 128 x 128 (given the problem's ``m``, ``n``), else 128 x
-    128. They have no swapped variant: a decode step's rows take 64 x 64 tiles instead."""
+    gemm_block_scaled.py): cooperative tiles of 64 or 128 columns (two fragments), 128 x 192
+    (one), or 256 x 128 (one, a wave of rows at a time). A 128 x 256 pick (the heuristic's for
+    wide problems) becomes 128 x 192 where that fills the waves about as well as 128 x 128 (given
+    the problem's ``m``, ``n``), else 128 x 128; then 256 x 128 in a 1 x 2 cluster where it holds
+    the problem about as well as that pick. They have no swapped variant: a decode step's rows
+    take 64 x 64 tiles instead."""
     if config.swap_ab:
         return GemmConfig(64, 64)
-    if not config.pingpong and (128 % config.tile_n == 0 or config.tile_mn == (128, 192)):
+    if not config.pingpong and (128 % config.tile_n == 0 or config.tile_mn in ((128, 192), (256, 128))):
         return config
     narrow = dataclasses.replace(config, tile_n=128, pingpong=False)
     if config.tile_mn != (128, 256) or m is None:
         return narrow
     wide_fill = wave_fill(num_tiles(m, n, batch, 128, 192), sms)
     narrow_fill = wave_fill(num_tiles(m, n, batch, 128, 128), sms)
-    return dataclasses.replace(config, tile_n=192) if BLOCK_192_EFFICIENCY * wide_fill > narrow_fill else narrow
+    picked = dataclasses.replace(config, tile_n=192) if BLOCK_192_EFFICIENCY * wide_fill > narrow_fill else narrow
+    efficiency = BLOCK_192_EFFICIENCY if picked.tile_n == 192 else 1.0
+    tall = dataclasses.replace(config, tile_m=256, tile_n=128, cluster_m=1, cluster_n=2 if n > 128 else 1)
+    if (BLOCK_256_EFFICIENCY * _area_fill(m, n, batch, 256, 128, sms)
+            > efficiency * _area_fill(m, n, batch, *picked.tile_mn, sms)):
+        return tall
+    return picked
 
 
 @functools.cache

@@ -141,7 +141,8 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         # warpgroups that share one tile (each owns 64 rows of every wave of 64 x tile_wgs rows)
         # and tile groups in flight
         self.tile_wgs = 1 if self.pingpong else 2 if config.tile_m == 256 else config.tile_m // 64
-        self.waves = config.tile_m // (64 * self.tile_wgs)
+        # rows a blockwise batch covers at a time: a 256-row tile's 128-row halves take turns
+        self.waves = 2 if config.tile_m == 256 else 1
         self.num_tile_groups = 2 if self.pingpong else 1
         self.tile_threads = 128 * self.tile_wgs
         self.num_mma_threads = self.tile_threads * self.num_tile_groups

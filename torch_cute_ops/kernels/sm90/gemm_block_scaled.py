@@ -32,6 +32,8 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from ..common.pipeline_wait import poll_until_full
+
 SCALE_BLOCK = 128  # the K (and B's N) extent of one blockwise scale
 # A scale box's start along its contiguous dim is 16-byte aligned (a box off that boundary
 # stopped the kernel on an illegal instruction): boxes start at the tile's first row (block)
@@ -267,7 +269,7 @@ class BlockScaledMainloop:
         scales = cute.make_rmem_tensor((num_scales,), Float32)
         acc.fill(0.0)
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
-            ab_pipeline.consumer_wait(read_state)
+            poll_until_full(ab_pipeline, read_state)
             self._read_scales(scales, scale_smem, slot_index, read_state.index)
             for wave in cutlass.range_constexpr(self.waves):
                 self._mma_k_tile(tiled_mma, acc_k, tCrA_waves[wave], tCrB, read_state.index, zero_init=True)
@@ -295,7 +297,7 @@ class BlockScaledMainloop:
                              slot_index):
         """Once the next k-tile's stage is full: issue its batch into ``acc_k`` (from zero) and
         read its scales into ``k_scales``."""
-        ab_pipeline.consumer_wait(read_state)
+        poll_until_full(ab_pipeline, read_state)
         self._mma_k_tile(tiled_mma, acc_k, tCrA, tCrB, read_state.index, zero_init=True)
         self._read_scales(k_scales, scale_smem, slot_index, read_state.index)
 
@@ -314,3 +316,4 @@ class BlockScaledMainloop:
             coord = cute.idx2crd(i, acc.shape)
             block = 0 if col_blocks == 1 or coord[0][2] < first_block_groups else 1
             acc[i] = acc[i] + acc_k[i] * row_scale[block * frag_rows + coord[0][1] + 2 * coord[1]]
+
