@@ -89,6 +89,7 @@ FP8_CASES = [  # (scale mode, a, b, out, bias dtype, activation, tile)
     ("block", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, None, None, GemmConfig(128, 128, 2, 1)),
     ("block", torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, torch.float32, None, GemmConfig(64, 128)),
     ("block", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, None, None, GemmConfig(128, 192, 2, 1)),
+    ("block", torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, None, None, GemmConfig(256, 128, 1, 2)),
 ]
 
 
@@ -100,8 +101,9 @@ def test_fp8_ptx(case, tmp_path):
     the epilogue (2 values per row-pair, one per column; a 16-bit bias one word per column pair);
     blockwise ones come with each k-tile by TMA (two more loads under its stage's barrier) and are
     read from shared memory where the k-tile's batch is issued (2 rows of scale_a, then scale_b's
-    block, two blocks under a 192-column tile); a 192-column tile's warpgroups take turns on two
-    named barriers."""
+    block, two blocks under a 192-column tile; 4 rows and one block for a 256-row tile's two
+    waves); a 192-column tile's warpgroups take turns on two named barriers; the blockwise
+    consumers poll the stage barriers, with no suspend-time hint."""
     from torch_cute_ops.runtime.gemm import scaled_spec
 
     mode, a_dtype, b_dtype, out_dtype, bias_dtype, activation, config = case
@@ -125,15 +127,24 @@ def test_fp8_ptx(case, tmp_path):
         assert len(tma_loads) == 4, tma_loads  # A, B, scale_a, scale_b
         # the stage's byte count: A and B's k-tiles, then the scale boxes, which start 16-byte
         # aligned (a box off that boundary faults): the tile's rows + 4, and 8 blocks of B
-        stage_bytes = (config.tile_m + config.tile_n) * 128 + (config.tile_m + 4 + 8) * 4
+        # (256 rows: never moved, so aligned already, and a box spans at most 256)
+        box_rows = config.tile_m if config.tile_m == 256 else config.tile_m + 4
+        stage_bytes = (config.tile_m + config.tile_n) * 128 + (box_rows + 8) * 4
         expect_tx = re.findall(r"mov\.b32\s+(%r\d+), (\d+);\s+mbarrier\.arrive\.expect_tx\S*\s+\S+ \[\S+\], \1;", ptx)
         assert {int(value) for _, value in expect_tx} == {stage_bytes}, (expect_tx, stage_bytes)
         # the four places a two-fragment loop issues a batch from (the first, the loop's two,
         # the odd last one), 3 words each; the one-fragment loop's single place, 4 words
         words = sum(2 if load.startswith("ld.shared.v2") else 1
                     for load in re.findall(r"ld\.shared(?:\.v2)?\.b32", ptx))
-        assert words == (4 * 3 if config.tile_n <= 128 else 4), words
-    if mode == "block" and config.tile_n <= 128:
+        assert words == (5 if config.tile_m == 256 else 4 * 3 if config.tile_n <= 128 else 4), words
+        hinted = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64 \S+ \[\S+\], \S+, 10000000;", ptx)
+        polled = re.findall(r"mbarrier\.try_wait\.parity\.acquire\.cta\.shared::cta\.b64", ptx)
+        assert polled and len(hinted) < len(re.findall(r"mbarrier\.try_wait", ptx)), (len(hinted), len(polled))
+    if mode == "block" and config.tile_m == 256:
+        # two waves a k-tile, 64 FFMA each, and no turns
+        assert len(re.findall(r"\bfma\.rn\.f32", ptx)) >= 2 * 64
+        assert not re.findall(r"\bbar\.arrive\b", ptx)
+    elif mode == "block" and config.tile_n <= 128:
         # the per-k-tile promotion, one FFMA per accumulator value, at its four places
         assert len(re.findall(r"\bfma\.rn\.f32", ptx)) >= 4 * 64 * config.tile_n // 128
     elif mode == "block":  # at one place; the turns: the hand-over of the first and each k-tile's
@@ -156,20 +167,40 @@ def test_fp8_spec_needs_k_major_and_scales():
     assert block_scaled_config(GemmConfig(128, 256, 2, 1)) == GemmConfig(128, 128, 2, 1)
     assert block_scaled_config(GemmConfig(128, 128, pingpong=True)) == GemmConfig(128, 128)
     assert block_scaled_config(GemmConfig(128, 192, 2, 1)) == GemmConfig(128, 192, 2, 1)
+    assert block_scaled_config(GemmConfig(256, 128, 1, 2)) == GemmConfig(256, 128, 1, 2)
     assert block_scaled_config(GemmConfig(128, 192, 2, 1, pingpong=True)) == GemmConfig(128, 128, 2, 1)
+
+
+def test_256_row_tiles_are_blockwise_only():
+    """256 x 128 tiles exist for blockwise scales only: two consumer warpgroups, each issuing its
+    rows of the two 128-row waves in turn, four A/B stages, the tile never moved back over M."""
+    import cutlass
+
+    from torch_cute_ops.kernels.sm90.gemm import Sm90Gemm
+
+    bf16, e4m3 = cutlass.BFloat16, cutlass.Float8E4M3FN
+    kernel = Sm90Gemm(e4m3, bf16, True, True, False, None, GemmConfig(256, 128, 1, 2), scale_mode="block")
+    assert (kernel.tile_wgs, kernel.waves, kernel.ab_stages, kernel.shift_rows) == (2, 2, 4, False)
+    assert kernel._scale_box_a() == 256  # a TMA box spans at most 256 rows
+    for ab, config, mode in ((bf16, GemmConfig(256, 128), None), (e4m3, GemmConfig(256, 128), "row"),
+                             (e4m3, GemmConfig(256, 192), "block"),
+                             (e4m3, GemmConfig(256, 128, pingpong=True), "block")):
+        with pytest.raises(ValueError, match="unsupported sm90 tile"):
+            Sm90Gemm(ab, bf16, True, True, False, None, config, scale_mode=mode)
 
 
 @pytest.mark.parametrize("mode,shape,expect_tile", [
     ("tensor", (4096, 4096, 4096), (128, 256)), ("row", (4096, 4096, 4096), (128, 256)),
-    ("block", (4096, 4096, 4096), (128, 128)), ("block", (48, 4096, 1024), (64, 64)),
-    ("block", (8192, 8192, 8192), (128, 192)), ("block", (1024, 4096, 4096), (128, 128)),
+    ("block", (4096, 4096, 4096), (256, 128)), ("block", (48, 4096, 1024), (64, 64)),
+    ("block", (8192, 8192, 8192), (256, 128)), ("block", (1024, 14336, 4096), (128, 128)),
+    ("block", (512, 4096, 4096), (128, 128)),
 ])
 def test_fp8_launch_plan(monkeypatch, mode, shape, expect_tile):
     """The host plan of an FP8 call (no GPU: the SM count and the compiled function stubbed): the
-    variant carries the scale mode, B's and the bias' dtypes; blockwise tiles narrow to 128 x 192
-    where those fill the waves (8192^3: 21 waves of 132, 99% used) and to 128 columns where they
-    would not (4096^3: 6 waves at 89%; 1024 x 4096: 176 tiles, 1.3 waves); per-tensor scales
-    travel as 1-vectors."""
+    variant carries the scale mode, B's and the bias' dtypes; blockwise tiles become 256 x 128
+    where those hold the problem about as well as the 128-row pick (8192^3: 16 waves at 97%;
+    4096^3: 4 at 97%), and stay at 128 x 128 where they would not (1024 x 14336: 448 tiles of
+    128 x 128 are 3.4 waves, 224 of 256 x 128 1.7); per-tensor scales travel as 1-vectors."""
     from torch_cute_ops.runtime import gemm as runtime_gemm
 
     monkeypatch.setattr(runtime_gemm, "sm_count", lambda index: 132)

@@ -114,8 +114,8 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         if scale_mode == "block" and (config.pingpong or not (SCALE_BLOCK % config.tile_n == 0
                                                               or config.tile_mn == (128, 192))):
             # the per-k-tile fragment doubles the accumulator registers (gemm_block_scaled.py)
-            raise ValueError(f"blockwise scales need a cooperative tile of 64 or 128 columns, or 128 x 192, "
-                             f"got {config}")
+            raise ValueError(f"blockwise scales need a cooperative tile of 64 or 128 columns, or 128 x 192, or "
+                             f"256 x 128, got {config}")
         self.ab_dtype = ab_dtype  # A's dtype (B's too unless b_dtype says otherwise)
         self.b_dtype = b_dtype or ab_dtype
         self.bias_dtype = bias_dtype or ab_dtype
@@ -141,7 +141,8 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         # warpgroups that share one tile (each owns 64 rows of every wave of 64 x tile_wgs rows)
         # and tile groups in flight
         self.tile_wgs = 1 if self.pingpong else 2 if config.tile_m == 256 else config.tile_m // 64
-        # rows a blockwise batch covers at a time: a 256-row tile's 128-row halves take turns
+        # row waves a warpgroup issues, waits for and promotes one after the other (blockwise
+        # 256-row tiles: two of 128 rows)
         self.waves = 2 if config.tile_m == 256 else 1
         self.num_tile_groups = 2 if self.pingpong else 1
         self.tile_threads = 128 * self.tile_wgs

@@ -4,7 +4,7 @@ Blockwise scales (1 x 128 blocks of A, 128 x 128 of B) are applied per k-tile: e
 WGMMA batch accumulates from zero into a k-tile fragment, which is then promoted into the
 running accumulator, ``acc += acc_k * scale_a[row] * scale_b[block]`` (one FFMA per value), so
 the tensor cores' reduced-precision FP8 accumulation never spans more than 128 of K. The tensor
-cores should not wait for a promotion; two schedules see to that:
+cores should not wait for a promotion; three schedules see to that:
 
 * two fragments (tiles of 64 or 128 columns, inside one scale block of B): a warpgroup's
   k-tiles take turns between them, one promoted while the next one's batch runs;
@@ -13,6 +13,13 @@ cores should not wait for a promotion; two schedules see to that:
   warpgroups take turns issuing their batches (two named barriers), so one's batch runs while
   the other promotes. A 192-column tile straddles two scale blocks of B, starting on one or
   halfway through it; each column group takes its own block's scale.
+* waves (256 x 128 tiles, DeepGEMM's Hopper schedule): each warpgroup owns 64 rows of each of
+  the tile's two 128-row waves; per k-tile it issues, waits for and promotes one wave's batch
+  after the other through one 64-register fragment. No turns: while one warpgroup promotes, the
+  other's batch runs. Against 128-row tiles, the same A/B traffic carries one and a half times
+  (128 x 192) or twice (128 x 128) the tensor work per barrier wait and per scale read.
+
+Every schedule waits for its stage by polling the barrier (kernels/common/pipeline_wait.py).
 
 Scales: the producer loads each k-tile's with it, by TMA under the stage's barrier (a box of
 scale_a's rows and one of scale_b's blocks, from the tile's first rounded down to 16 bytes),
