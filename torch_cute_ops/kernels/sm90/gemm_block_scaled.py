@@ -16,8 +16,8 @@ cores should not wait for a promotion; three schedules see to that:
 * waves (256 x 128 tiles, DeepGEMM's Hopper schedule): each warpgroup owns 64 rows of each of
   the tile's two 128-row waves; per k-tile it issues, waits for and promotes one wave's batch
   after the other through one 64-register fragment. No turns: while one warpgroup promotes, the
-  other's batch runs. Against 128-row tiles, the same A/B traffic carries one and a half times
-  (128 x 192) or twice (128 x 128) the tensor work per barrier wait and per scale read.
+  other's batch runs. Each stage (one barrier wait, one read of the scales) carries 4/3 the
+  tensor work of a 128 x 192 tile's and twice a 128 x 128 tile's.
 
 Every schedule waits for its stage by polling the barrier (kernels/common/pipeline_wait.py).
 
