@@ -173,14 +173,14 @@ def test_fp8_spec_needs_k_major_and_scales():
 
 def test_256_row_tiles_are_blockwise_only():
     """256 x 128 tiles exist for blockwise scales only: two consumer warpgroups, each issuing its
-    rows of the two 128-row waves in turn, four A/B stages, the tile never moved back over M."""
+    rows of the two 128-row waves in turn, three A/B stages, the tile never moved back over M."""
     import cutlass
 
     from torch_cute_ops.kernels.sm90.gemm import Sm90Gemm
 
     bf16, e4m3 = cutlass.BFloat16, cutlass.Float8E4M3FN
     kernel = Sm90Gemm(e4m3, bf16, True, True, False, None, GemmConfig(256, 128, 1, 2), scale_mode="block")
-    assert (kernel.tile_wgs, kernel.waves, kernel.ab_stages, kernel.shift_rows) == (2, 2, 4, False)
+    assert (kernel.tile_wgs, kernel.waves, kernel.ab_stages, kernel.shift_rows) == (2, 2, 3, False)
     assert kernel._scale_box_a() == 256  # a TMA box spans at most 256 rows
     for ab, config, mode in ((bf16, GemmConfig(256, 128), None), (e4m3, GemmConfig(256, 128), "row"),
                              (e4m3, GemmConfig(256, 192), "block"),
