@@ -323,4 +323,3 @@ class BlockScaledMainloop:
             coord = cute.idx2crd(i, acc.shape)
             block = 0 if col_blocks == 1 or coord[0][2] < first_block_groups else 1
             acc[i] = acc[i] + acc_k[i] * row_scale[block * frag_rows + coord[0][1] + 2 * coord[1]]
-
