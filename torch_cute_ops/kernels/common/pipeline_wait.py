@@ -10,12 +10,16 @@ right before each k-tile's batch, that was +3 to +5% (H100, bench/NOTES.md, sess
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 
 
 @cute.jit
-def poll_until_full(pipe, state):
-    """Return once ``pipe``'s stage ``state`` is full (what ``pipe.consumer_wait`` waits for)."""
-    full = pipe.consumer_try_wait(state)
+def poll_until_full(pipe, state, full=None):
+    """Return once ``pipe``'s stage ``state`` is full (what ``pipe.consumer_wait`` waits for).
+    ``full``: the result of an earlier ``pipe.consumer_try_wait(state)``, taken where its latency
+    hid behind other work; polling starts only if that found the stage not yet full."""
+    if cutlass.const_expr(full is None):
+        full = pipe.consumer_try_wait(state)
     while not full:
         full = pipe.consumer_try_wait(state)

@@ -275,16 +275,19 @@ class BlockScaledMainloop:
         stage is released once the last wave's batch has read it."""
         scales = cute.make_rmem_tensor((num_scales,), Float32)
         acc.fill(0.0)
+        full = ab_pipeline.consumer_try_wait(read_state)
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
-            poll_until_full(ab_pipeline, read_state)
+            poll_until_full(ab_pipeline, read_state, full)
             self._read_scales(scales, scale_smem, slot_index, read_state.index)
             for wave in cutlass.range_constexpr(self.waves):
                 self._mma_k_tile(tiled_mma, acc_k, tCrA_waves[wave], tCrB, read_state.index, zero_init=True)
                 warpgroup.wait_group(0)
                 if wave == self.waves - 1:
                     ab_pipeline.consumer_release(read_state)
+                    read_state.advance()
+                    # the next stage's first test, its latency under the last promotion
+                    full = ab_pipeline.consumer_try_wait(read_state)
                 self._promote_wave(acc, acc_k, scales, wave)
-            read_state.advance()
         return read_state
 
     @cute.jit
