@@ -278,9 +278,10 @@ class BlockScaledMainloop:
         full = ab_pipeline.consumer_try_wait(read_state)
         for k_tile in cutlass.range(num_k_tiles, unroll=1):
             poll_until_full(ab_pipeline, read_state, full)
-            self._read_scales(scales, scale_smem, slot_index, read_state.index)
             for wave in cutlass.range_constexpr(self.waves):
                 self._mma_k_tile(tiled_mma, acc_k, tCrA_waves[wave], tCrB, read_state.index, zero_init=True)
+                if wave == 0:  # (the scales' latency under the batch, not before its issue)
+                    self._read_scales(scales, scale_smem, slot_index, read_state.index)
                 warpgroup.wait_group(0)
                 if wave == self.waves - 1:
                     ab_pipeline.consumer_release(read_state)
