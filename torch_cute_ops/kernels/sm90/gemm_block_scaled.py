@@ -286,8 +286,11 @@ class BlockScaledMainloop:
                 if wave == self.waves - 1:
                     ab_pipeline.consumer_release(read_state)
                     read_state.advance()
-                    # the next stage's first test, its latency under the last promotion
-                    full = ab_pipeline.consumer_try_wait(read_state)
+                    # the next stage's first test, its latency under the last promotion (none
+                    # after the tile's last k-tile: that stage may never fill, and a try_wait
+                    # holds its result back until the hardware's time limit)
+                    if k_tile + 1 < num_k_tiles:
+                        full = ab_pipeline.consumer_try_wait(read_state)
                 self._promote_wave(acc, acc_k, scales, wave)
         return read_state
 
