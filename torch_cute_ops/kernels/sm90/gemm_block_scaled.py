@@ -271,8 +271,10 @@ class BlockScaledMainloop:
                         scale_smem, slot_index, num_scales):
         """Per k-tile, this warpgroup's rows of each wave in turn: issue the wave's batch into
         ``acc_k`` (from zero), wait for it, promote it into the wave's rows of ``acc``. No turns:
-        each warpgroup's batches run while the other promotes (DeepGEMM's Hopper schedule). The
-        stage is released once the last wave's batch has read it."""
+        each warpgroup's batches run while the other promotes (DeepGEMM's Hopper schedule; turns
+        cost 1-3%, bench/NOTES.md). The stage is released once the last wave's batch has read
+        it. Off the path from one batch to the next: the scales are read after the first batch
+        is issued, and the next stage's barrier is first tested before the last promotion."""
         scales = cute.make_rmem_tensor((num_scales,), Float32)
         acc.fill(0.0)
         full = ab_pipeline.consumer_try_wait(read_state)
