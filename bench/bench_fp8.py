@@ -133,7 +133,9 @@ def main():
                 try:  # (a tile one scale mode does not take: 256 x 128 is blockwise only)
                     extra_plan = SM90.plan((m, k), qa.stride(), (k, n), qb.stride(), qa.dtype, None, None,
                                            torch.bfloat16, 0, config, b_dtype=qb.dtype, scale_mode=mode)
-                except ValueError:
+                except ValueError as error:
+                    if "unsupported sm90 tile" not in str(error):
+                        raise
                     continue
                 if not isinstance(extra_plan, str):
                     calls[f"{mode} {name}"] = (lambda p=extra_plan, t=(qa, qb, sa, sb): p(*t, None, out))

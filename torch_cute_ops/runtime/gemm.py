@@ -19,7 +19,7 @@ import functools
 import torch
 
 from .cache import get_compiled
-from .gemm_config import GemmConfig, choose_config, num_tiles, wave_fill
+from .gemm_config import GemmConfig, choose_config, num_tiles, slot_use, wave_fill
 from .scratch import scratch, zeroed_int32
 from .spec import KernelSpec
 from .tma import TMA_ALIGN_BYTES, tma_inner_layout, tma_inner_ready, tma_reason
@@ -350,13 +350,6 @@ BLOCK_192_EFFICIENCY = 1.03
 BLOCK_256_EFFICIENCY = 1.06
 
 
-def _area_fill(m: int, n: int, batch: int, tile_m: int, tile_n: int, sms: int) -> float:
-    """The share of the SMs' tile slots over the waves a tiling takes that holds the problem
-    (tile padding past M and N counts as empty)."""
-    tiles = num_tiles(m, n, batch, tile_m, tile_n)
-    return m * n * batch / (max(-(-tiles // sms), 1) * sms * tile_m * tile_n)
-
-
 def block_scaled_config(config: GemmConfig, m: int | None = None, n: int | None = None, batch: int = 1,
                         sms: int = 132) -> GemmConfig:
     """Blockwise scales keep a k-tile fragment beside the accumulator (kernels/sm90/
@@ -378,8 +371,9 @@ def block_scaled_config(config: GemmConfig, m: int | None = None, n: int | None 
     picked = dataclasses.replace(config, tile_n=192) if BLOCK_192_EFFICIENCY * wide_fill > narrow_fill else narrow
     efficiency = BLOCK_192_EFFICIENCY if picked.tile_n == 192 else 1.0
     tall = dataclasses.replace(config, tile_m=256, tile_n=128, cluster_m=1, cluster_n=2 if n > 128 else 1)
-    if (BLOCK_256_EFFICIENCY * _area_fill(m, n, batch, 256, 128, sms)
-            > efficiency * _area_fill(m, n, batch, *picked.tile_mn, sms)):
+    # (each tiling's share of the tile slots that holds the problem, its clusters left aside)
+    if (BLOCK_256_EFFICIENCY * slot_use(GemmConfig(256, 128), m, n, batch, sms)
+            > efficiency * slot_use(GemmConfig(*picked.tile_mn), m, n, batch, sms)):
         return tall
     return picked
 

@@ -453,13 +453,14 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         # WGMMA is issued per warpgroup: slice the MMA by warpgroup (a warp-uniform value, so the
         # smem descriptors are built in uniform registers), the epilogue by thread
         wg_slice = tiled_mma.get_slice(cute.arch.make_warp_uniform((group_tidx // 128) * 128))
-        tCrA = tiled_mma.make_fragment_A(wg_slice.partition_A(sA))
         if cutlass.const_expr(self.waves > 1):  # each wave's rows of A, issued on their own
             wave_rows = 64 * self.tile_wgs
             tCrA = tuple(
                 tiled_mma.make_fragment_A(wg_slice.partition_A(
                     cute.local_tile(sA, (wave_rows, self.tile_shape_mnk[2]), (wave, 0, None))))
                 for wave in range(self.waves))
+        else:
+            tCrA = tiled_mma.make_fragment_A(wg_slice.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(wg_slice.partition_B(sB))
         tile_m, tile_n, _ = self.tile_shape_mnk
         # (m, n) of each accumulator value inside the tile
