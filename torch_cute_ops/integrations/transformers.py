@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..functional import flash_attn_func, flash_attn_with_kvcache
-from ..ops import fallback
+from ..ops import bounds, fallback
 from ..runtime.lasting import PerTensor
 from ..sdpa import scaled_dot_product_attention
 
@@ -82,9 +82,10 @@ def _unwritten_keys(cache_position, kv_length: int, kv_offset: int, attention_ma
 
 def cute_mask(batch_size, cache_position, kv_length, kv_offset=0, mask_function=None, attention_mask=None,
               **kwargs):
-    """The 2-D (batch, kv_length) mask of real keys when some key is padding or (a static cache)
-    not written yet, else None; a mask with holes (found in eager mode) is materialized (4-D, by
-    transformers' SDPA mask) for the kernels' attn_mask path."""
+    """The 2-D (batch, kv_length) mask of real keys when some key may be padding or (a static cache)
+    not written yet, else None; a mask with holes is materialized (4-D, by transformers' SDPA
+    mask) for the kernels' attn_mask path. Eager decoding reads the mask back once, at the
+    prompt (:class:`_MaskVerdicts`)."""
     def materialized():
         from transformers.masking_utils import sdpa_mask
 
@@ -93,22 +94,20 @@ def cute_mask(batch_size, cache_position, kv_length, kv_offset=0, mask_function=
                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                          **(kwargs | {"allow_is_causal_skip": False}))
 
-    if _unwritten_keys(cache_position, kv_length, kv_offset, attention_mask):
-        if attention_mask is not None and not torch.compiler.is_compiling() and _has_holes(attention_mask):
-            return materialized()
-        return written_keys(batch_size, cache_position, kv_length, kv_offset, attention_mask)
+    unwritten = _unwritten_keys(cache_position, kv_length, kv_offset, attention_mask)
     if attention_mask is None:
-        return None
-    attention_mask = attention_mask[:, -kv_length:]
-    if torch.compiler.is_compiling():
-        return attention_mask
-    real = attention_mask.bool()
-    everything, one_run = torch.stack([real.all(), (_runs(real) <= 1).all()]).tolist()  # one sync
-    if everything:
-        return None
-    if not one_run:
+        return written_keys(batch_size, cache_position, kv_length, kv_offset, None) if unwritten else None
+    if not unwritten:
+        attention_mask = attention_mask[:, -kv_length:]
+    if torch.compiler.is_compiling():  # no values to read: a compiled model pads on one side
+        return written_keys(batch_size, cache_position, kv_length, kv_offset, attention_mask) if unwritten \
+            else attention_mask
+    verdict = _verdicts.get(attention_mask, cache_position.shape[0])
+    if verdict == "holes":
         return materialized()
-    return attention_mask
+    if unwritten:
+        return written_keys(batch_size, cache_position, kv_length, kv_offset, attention_mask)
+    return None if verdict == "no padding" else attention_mask
 
 
 def _runs(real: torch.Tensor) -> torch.Tensor:
@@ -116,9 +115,42 @@ def _runs(real: torch.Tensor) -> torch.Tensor:
     return real[:, :1].sum(1) + (real[:, 1:] & ~real[:, :-1]).sum(1)
 
 
-def _has_holes(attention_mask: torch.Tensor) -> bool:
-    """Some row of the 2-D mask has more than one run of real tokens (one sync)."""
-    return bool((_runs(attention_mask.bool()) > 1).any())
+class _MaskVerdicts:
+    """What an eager forward's 2-D padding mask holds: "no padding", "one run" (of real tokens per
+    row: the kernels' key ranges) or "holes" (materialized), read back from the GPU once per
+    prompt rather than once per decode step.
+
+    A forward whose mask is the previous one's continuation (same batch and device, as many keys
+    more as it has new tokens: a decode step of ``generate()``) inherits its verdict without a
+    read-back, provided the previous mask ended every row with a real token, so that real tokens
+    appended keep one run per row ("one run" then: a step's own padding is still honoured through
+    the key ranges). The GPU checks that assumption on each such step, with no host sync: a mask
+    that gained a hole there (a hand-written decoding loop handing over masks with holes) stops
+    the stream with a device-side assertion instead of being attended wrongly. A prompt whose
+    rows end in padding (right padding) has its decode steps read back each time, and so has every
+    forward on the CPU (a read-back there costs nothing)."""
+
+    def __init__(self):
+        self._last: dict[tuple, tuple[int, str | None]] = {}  # (batch, device) -> (keys, verdict carried on)
+
+    def get(self, mask: torch.Tensor, new_tokens: int) -> str:
+        batch, keys = mask.shape
+        where = (batch, mask.device)
+        last = self._last.get(where)
+        real = mask.bool()
+        if mask.is_cuda and last is not None and last[1] is not None and last[0] + new_tokens == keys:
+            torch._assert_async((_runs(real) <= 1).all(), "attention_mask: a decoding step's 2-D mask gained "
+                                "a hole (more than one run of real tokens in a row)")
+            self._last[where] = (keys, last[1])
+            return last[1]
+        everything, one_run, ends_real = torch.stack([real.all(), (_runs(real) <= 1).all(),
+                                                      real[:, -1].all()]).tolist()  # one sync
+        verdict = "no padding" if everything else ("one run" if one_run else "holes")
+        self._last[where] = (keys, "one run" if one_run and ends_real else None)
+        return verdict
+
+
+_verdicts = _MaskVerdicts()
 
 
 def written_keys(batch_size: int, cache_position, kv_length: int, kv_offset: int, attention_mask):
@@ -149,10 +181,18 @@ _key_ranges = PerTensor()
 
 
 def shared_key_range(padding_mask: torch.Tensor, kv_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`key_range`, computed once per mask tensor, version and kv_length (eager)."""
+    """:func:`key_range`, computed once per mask tensor, version and kv_length (eager), and recorded
+    as within bounds (``0 <= start <= end <= kv_length`` by construction), so the ops need not
+    check them again."""
     if torch.compiler.is_compiling():
         return key_range(padding_mask, kv_length)
-    return _key_ranges.get(padding_mask, kv_length, lambda: key_range(padding_mask, kv_length))
+
+    def make():
+        start, end = key_range(padding_mask, kv_length)
+        bounds.mark_within(end, 0, kv_length)
+        bounds.mark_within(start, 0, end)
+        return start, end
+    return _key_ranges.get(padding_mask, kv_length, make)
 
 
 def _window(sliding_window, causal: bool) -> tuple[int, int]:

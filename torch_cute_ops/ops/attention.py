@@ -18,7 +18,7 @@ from ..reference import attention as reference
 from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
 from ..runtime.tma import tma_reason
 from ..runtime.unfilled import written_in_full
-from . import checks, dispatch, fallback
+from . import bounds, checks, dispatch, fallback
 from .schemas import lib, qualname, register_impl
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -106,6 +106,34 @@ def _qkv_key(q, k, v):
             q.device, k.device, v.device)
 
 
+KEY_QUANTUM = 16  # every key tile (64, 80, 112, 128 keys) is a multiple of it
+
+
+def keys_key(t, seq_dim: int = 1):
+    """What a plan reads of a key or value tensor whose sequence grows (a decode cache): the
+    sizes but the key count, which enters only as whole multiples of KEY_QUANTUM (a plan's tiles,
+    splits and short-sequence choice change only at multiples of a key tile) and against 2^31;
+    the strides as the TMA sees them (unit stride on the last dim, the others modulo 16 bytes).
+    A cache that grows by a key a step keeps its plan for KEY_QUANTUM steps."""
+    shape, stride = t.shape, t.stride()
+    keys = shape[seq_dim]
+    per_16_bytes = max(1, 16 // t.element_size())
+    return (shape[:seq_dim], -(-keys // KEY_QUANTUM), keys >= 2**31, shape[seq_dim + 1:], stride[-1] == 1,
+            tuple(s % per_16_bytes for s in stride), t.dtype, t.device)
+
+
+def _decode_qkv_key(q, k, v):
+    """:func:`_qkv_key` with k and v as :func:`keys_key` sees them (their key counts equal or not)."""
+    return (q.shape, q.stride(), q.dtype, q.device, keys_key(k), keys_key(v), k.shape[1] == v.shape[1])
+
+
+def check_key_range(key_start, key_end, seqlen_k: int) -> None:
+    """``0 <= key_start[b] <= key_end[b] <= seqlen_k``: they bound the kernel's key loads
+    (ops.bounds: once per version of the pair and key count)."""
+    bounds.check_within("key_end", key_end, 0, seqlen_k, f"seqlen_k = {seqlen_k}")
+    bounds.check_within("key_start", key_start, 0, key_end, "key_end of its entry")
+
+
 # ---------------------------------------------------------------------------------- forward
 
 def _fwd_outputs_like(q):
@@ -129,7 +157,6 @@ def _make_fwd_plan(key, q, k, v, causal, local, softcap, key_start, key_end, att
     """Validate (raises on invalid input) and decide the kernel for one layout and band kind,
     once: a launch, None when there is nothing to compute, or the reason no kernel covers it."""
     _validate_qkv(q, k, v)
-    _validate_softcap(softcap)
     _validate_key_range(q, key_start, key_end)
     _validate_attn_mask(q, k, attn_mask)
     plan = "cpu"
@@ -152,13 +179,19 @@ def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window
     # ``deterministic`` selects the backward's variant only (autograd carries it there)
     if q.dim() != 4 or k.dim() != 4:
         _validate_qkv(q, k, v)  # the named error
+    if softcap != 0.0:  # a value, not part of the plan's key: checked on every call
+        _validate_softcap(softcap)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
     padded = key_start is not None
-    key = (*_qkv_key(q, k, v), band_causal, local, softcap_kind(softcap, q.dtype), _optional_key(key_start),
+    # a mask's shape is checked against the key count: its plans are keyed on the exact layout
+    layout = _decode_qkv_key(q, k, v) if attn_mask is None else _qkv_key(q, k, v)
+    key = (*layout, band_causal, local, softcap_kind(softcap, q.dtype), _optional_key(key_start),
            _optional_key(key_end), _optional_key(attn_mask))
     plan = _fwd_plans.get(key, False)
     if plan is False:
         plan = _make_fwd_plan(key, q, k, v, band_causal, local, softcap, key_start, key_end, attn_mask)
+    if padded:
+        check_key_range(key_start, key_end, k.shape[1])
     if plan is not None and not isinstance(plan, str):
         reason = pointer_reason(("q", q), ("k", k), ("v", v))
         if reason is None:
@@ -234,7 +267,6 @@ _bwd_plans: dict[tuple, object] = {}
 
 def _make_bwd_plan(key, dout, q, k, v, out, lse, causal, local, softcap, key_start, key_end, attn_mask):
     _validate_bwd(dout, q, k, v, out, lse)
-    _validate_softcap(softcap)
     _validate_key_range(q, key_start, key_end)
     _validate_attn_mask(q, k, attn_mask)
     plan = "cpu"
@@ -256,6 +288,8 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     if q.dim() != 4 or k.dim() != 4:
         _validate_bwd(dout, q, k, v, out, lse)  # the named error
+    if softcap != 0.0:
+        _validate_softcap(softcap)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
     key = (*_qkv_key(q, k, v), dout.shape, dout.stride(), dout.dtype, out.shape, out.stride(), out.dtype,
            lse.shape, lse.dtype, lse.device, band_causal, local, softcap != 0.0,
@@ -263,6 +297,8 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
            deterministic or torch.are_deterministic_algorithms_enabled())
     plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, band_causal, local, softcap,
                                                  key_start, key_end, attn_mask)
+    if key_start is not None:
+        check_key_range(key_start, key_end, k.shape[1])
     if not isinstance(plan, str):
         reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:

@@ -15,22 +15,21 @@ Kernels: a paged cache, or a contiguous one with cache_batch_idx, is read throug
 with any strides (transformers' (B, H_kv, capacity, D) caches, transposed), each entry's keys
 ``[cache_leftpad[b], length)`` (the kernels' "ranged" rows).
 
-The contents of cache_seqlens, cache_batch_idx and page_table are checked against the cache in
-eager mode, once per version of those tensors (a read-back: a model's layers share one check per
-step), skipped during CUDA-graph capture and under tracing.
+The values of cache_seqlens, cache_leftpad, cache_batch_idx and page_table bound the kernels' loads
+and the append's stores: they are checked against the cache before the launch, on the device
+where they live and without a host sync (``ops.bounds``), once per version of those tensors (a
+model's layers share one check per step) and in every CUDA-graph replay.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
 from ..reference import attention as reference
 from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
 from ..runtime.lasting import lasting
-from . import checks, dispatch, fallback
-from .attention import _remember, _validate_softcap, validate_qkv_common
+from . import bounds, checks, dispatch, fallback
+from .attention import _remember, _validate_softcap, keys_key, validate_qkv_common
 from .schemas import lib, qualname, register_impl
 
 _LAYOUT = "(batch, seqlen, heads, head_dim)"
@@ -69,49 +68,20 @@ def _capacity(k_cache, page_table) -> int:
     return k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
 
 
-# (ids of the index tensors, new tokens, capacity) -> (weak references, versions) already checked
-_checked: dict[tuple, tuple] = {}
-
-
-def _check_values(q, k_cache, k, cache_seqlens, cache_batch_idx, page_table, cache_leftpad=None) -> None:
-    """The index tensors' contents against the cache (eager only: one read-back per version)."""
-    tensors = [t for t in (cache_seqlens, cache_batch_idx, page_table, cache_leftpad) if t is not None]
-    if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors) or (
-            q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return
+def _check_values(k_cache, k, cache_seqlens, cache_batch_idx, page_table, cache_leftpad=None) -> None:
+    """The index tensors' values against the cache: they bound the kernels' loads and the append's
+    stores (ops.bounds: on the device where they live, no host sync; once per version)."""
     new = 0 if k is None else k.shape[1]
-    key = (*(id(t) for t in tensors), new, tuple(k_cache.shape))
-    seen = _checked.get(key)
-    if (seen is not None and all(r() is t for r, t in zip(seen[0], tensors))
-            and seen[1] == [t._version for t in tensors]):
-        return
-    bounds = [(cache_seqlens.min(), cache_seqlens.max() + new)]
-    if cache_batch_idx is not None:
-        bounds.append((cache_batch_idx.min(), cache_batch_idx.max()))
-    if page_table is not None and page_table.numel():
-        bounds.append((page_table.min(), page_table.max()))
-    if cache_leftpad is not None:
-        bounds.append((cache_leftpad.min(), (cache_leftpad - cache_seqlens).max() - new))
-    values = torch.stack([torch.stack(pair) for pair in bounds]).tolist()
-    if cache_leftpad is not None:
-        low, past_end = values.pop()
-        if low < 0:
-            raise ValueError(f"cache_leftpad: an entry's first key must be >= 0, got {low}")
-        if past_end > 0:
-            raise ValueError(f"cache_leftpad: an entry's first key lies {past_end} keys past its length "
-                             f"(cache_seqlens plus {new} new tokens)")
     capacity = _capacity(k_cache, page_table)
-    if values[0][0] < 0 or values[0][1] > capacity:
-        raise ValueError(f"cache_seqlens: with {new} new tokens the lengths reach {values[0][1]}, past the "
-                         f"cache's capacity of {capacity} per entry (or are negative)")
-    limit = k_cache.shape[0]
-    for name, (low, high) in zip([n for n, t in (("cache_batch_idx", cache_batch_idx), ("page_table", page_table))
-                                  if t is not None and t.numel()], values[1:]):
-        if low < 0 or high >= limit:
-            raise ValueError(f"{name}: entries must index the cache's first dim [0, {limit}), got [{low}, {high}]")
-    if len(_checked) >= 256:
-        _checked.clear()
-    _checked[key] = ([weakref.ref(t) for t in tensors], [t._version for t in tensors])
+    bounds.check_within("cache_seqlens", cache_seqlens, 0, capacity - new,
+                        f"{capacity - new} (the cache's capacity of {capacity} keys per entry less {new} new tokens)")
+    if cache_leftpad is not None:
+        bounds.check_within("cache_leftpad", cache_leftpad, 0, cache_seqlens,
+                            f"its entry's length (cache_seqlens plus {new} new tokens)", offset=new)
+    limit = k_cache.shape[0] - 1
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("page_table", page_table)):
+        if t is not None and t.numel():
+            bounds.check_within(name, t, 0, limit, f"{limit} (the cache's first dim less one)")
 
 
 def _append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table) -> None:
@@ -180,7 +150,6 @@ def _mergeable(cache) -> bool:
 
 def _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_leftpad, causal, local, softcap):
     """("ranged" or "paged", launch), a reason no kernel covers the call, or None (nothing to do)."""
-    _validate_softcap(softcap)
     plan = "cpu"
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_kvcache", q.device)
@@ -207,19 +176,31 @@ def _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_left
     return _remember(_plans, key, plan)
 
 
+def _layout_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad) -> tuple:
+    """What validation and planning read of the tensors. A contiguous cache read directly (no page
+    table, no cache_batch_idx: transformers' caches, which grow by a key a step) enters by
+    :func:`keys_key`, so the cache's growth does not make a new plan per step."""
+    exact = [(t.shape, t.stride(), t.dtype, t.device) if t is not None else None
+             for t in (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)]
+    if page_table is None and cache_batch_idx is None:
+        exact[1:3] = keys_key(k_cache), keys_key(v_cache), k_cache.shape[1] == v_cache.shape[1]
+    return tuple(exact)
+
+
 def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                             causal, window_left=None, window_right=None, softcap=0.0, cache_leftpad=None):
-    capacity = _capacity(k_cache, page_table)
+    if softcap != 0.0:  # a value, not part of the plan's key: checked on every call
+        _validate_softcap(softcap)
+    capacity = _capacity(k_cache, page_table) if page_table is None or page_table.dim() == 2 else 0
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], capacity)
-    key = tuple((t.shape, t.stride(), t.dtype, t.device) if t is not None else None
-                for t in (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad))
-    key += (band_causal, local, softcap_kind(softcap, q.dtype))
+    key = (*_layout_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad),
+           band_causal, local, softcap_kind(softcap, q.dtype))
     plan = _plans.get(key, False)
     if plan is False:
         _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
         plan = _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_leftpad, band_causal, local,
                           softcap)
-    _check_values(q, k_cache, k, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
+    _check_values(k_cache, k, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
     if k is not None:
         _append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)
     key_lengths = cache_seqlens if k is None else cache_seqlens + k.shape[1]

@@ -47,7 +47,8 @@ def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise ValueError(f"{name}: expected a length >= 0, got {value}")
 
 
-# id(cu_seqlens) -> (weak reference, version, longest sequence) of tensors whose contents passed
+# id(cu_seqlens) -> (weak reference, version, packed length, longest sequence) of tensors whose
+# contents passed: keyed on all the check read (the tensor's values and the packed length)
 _checked: dict[int, tuple] = {}
 
 
@@ -60,7 +61,7 @@ def _can_read_values(*tensors) -> bool:
 def _check_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str) -> None:
     """The contents of one cu_seqlens (read back once per tensor version)."""
     entry = _checked.get(id(cu))
-    if entry is None or entry[0]() is not cu or entry[1] != cu._version:
+    if entry is None or entry[0]() is not cu or entry[1] != cu._version or entry[2] != total:
         values = cu.tolist()
         if values[0] != 0:
             raise ValueError(f"{name}: must start at 0, got {values[0]}")
@@ -71,9 +72,9 @@ def _check_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, max
             raise ValueError(f"{name}: the last entry ({values[-1]}) must equal the packed length ({total})")
         if len(_checked) >= 1024:
             _checked.clear()
-        entry = _checked[id(cu)] = (weakref.ref(cu), cu._version, max(lengths, default=0))
-    if entry[2] > max_seqlen:
-        raise ValueError(f"{max_name}: {max_seqlen} is shorter than the longest sequence ({entry[2]})")
+        entry = _checked[id(cu)] = (weakref.ref(cu), cu._version, total, max(lengths, default=0))
+    if entry[3] > max_seqlen:
+        raise ValueError(f"{max_name}: {max_seqlen} is shorter than the longest sequence ({entry[3]})")
 
 
 def _check_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
@@ -114,6 +115,8 @@ def flash_attn_varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     # ``deterministic`` selects the backward's variant only (autograd carries it there)
     if q.dim() != 3 or k.dim() != 3 or min(max_seqlen_q, max_seqlen_k) < 0:
         _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)  # the named error
+    if softcap != 0.0:  # a value, not part of the plan's key: checked on every call
+        _validate_softcap(softcap)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, max_seqlen_q, max_seqlen_k)
     key = (*_layout_key(q, k, v, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap_kind(softcap, q.dtype))
     plan = _fwd_plans.get(key, False)
@@ -206,11 +209,14 @@ def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     if q.dim() != 3 or k.dim() != 3 or min(max_seqlen_q, max_seqlen_k) < 0:
         _validate_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if softcap != 0.0:
+        _validate_softcap(softcap)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, max_seqlen_q, max_seqlen_k)
     key = (*_layout_key(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap != 0.0,
            deterministic or torch.are_deterministic_algorithms_enabled())
     plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                  max_seqlen_q, max_seqlen_k, band_causal, local, softcap)
+    _check_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)  # a direct call's too
     if not isinstance(plan, str):
         reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:

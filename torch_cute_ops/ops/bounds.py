@@ -1,0 +1,113 @@
+"""Values that bound a kernel's memory access, checked before it launches.
+
+Lengths, offsets, key ranges, page indices and cache rows decide which addresses a kernel
+loads, so every one of them is checked before the launch that reads it:
+
+* on the host when the tensor lives there (a CPU tensor: reading it costs nothing), with a
+  ``ValueError`` that names the argument;
+* on the device when it lives there, without a host synchronization: the condition is reduced
+  on the GPU and handed to ``torch._assert_async``, queued on the caller's stream ahead of the
+  kernel. A violated bound stops the stream with a device-side assertion (as PyTorch's own
+  indexing does on CUDA): the kernel that would have read out of bounds never runs. Such checks
+  are captured into CUDA graphs with the launch, so every replay checks the values it finds.
+
+A check done once is remembered for that tensor (a weak reference), its version (an in-place
+write makes it new) and every bound it was checked against, so a model's layers, which share one
+``cache_seqlens`` or key range per step, pay for one check per step. Tensors the package makes
+itself from values it has bounded (the key ranges of a padding mask) are recorded as checked when
+they are made (:func:`mark_checked`). Under tracing (fake tensors, torch.compile) nothing is read:
+the compiled graph calls the op with real tensors, which checks them then.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+# id(tensor) -> (weak reference, version, serial, {bound: True}) for tensors whose values passed;
+# the serial names one tensor's one version for ever (ids and versions are reused)
+_checked: dict[int, tuple] = {}
+_MAX_CHECKED = 4096
+_serials = itertools.count()
+
+
+def readable(*tensors) -> bool:
+    """Real tensors whose values exist now (not fake, not traced)."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _entry(t: torch.Tensor) -> tuple:
+    """t's record for its current version (a new, empty one if it has none)."""
+    entry = _checked.get(id(t))
+    if entry is None or entry[0]() is not t or entry[1] != t._version:
+        if len(_checked) >= _MAX_CHECKED:
+            _checked.clear()
+        entry = _checked[id(t)] = (weakref.ref(t, lambda _, key=id(t): _forget(key)), t._version,
+                                   next(_serials), {})
+    return entry
+
+
+def serial(t: torch.Tensor) -> int:
+    """A number naming ``t`` as it is now, never reused: for a bound that involves another
+    tensor's values (``start <= end``)."""
+    return _entry(t)[2]
+
+
+def was_checked(t: torch.Tensor, bound) -> bool:
+    """``t``'s current values passed the check named by ``bound`` (a hashable of every value the
+    check read besides ``t``). Never during a CUDA-graph capture: replays must check."""
+    entry = _checked.get(id(t))
+    return (entry is not None and entry[0]() is t and entry[1] == t._version and bound in entry[3]
+            and not _capturing(t))
+
+
+def mark_checked(t: torch.Tensor, bound) -> None:
+    """Record that ``t``'s current values satisfy ``bound``."""
+    _entry(t)[3][bound] = True
+
+
+def _forget(key: int) -> None:
+    entry = _checked.get(key)
+    if entry is not None and entry[0]() is None:
+        del _checked[key]
+
+
+def require(ok: torch.Tensor, message: str, values: torch.Tensor | None = None) -> None:
+    """``ok`` (a bool tensor) all true: on the host a ValueError with ``message`` (and the first
+    offending ``values``); on a GPU a device-side assertion queued ahead of whatever the caller
+    launches next (no sync)."""
+    if ok.is_cuda:
+        torch._assert_async(ok.all(), message)
+    elif not bool(ok.all()):
+        if values is not None:
+            message += f", got {values.expand_as(ok)[~ok][:4].tolist()}"
+        raise ValueError(message)
+
+
+def check_within(name: str, t: torch.Tensor, low: int, high, what: str, offset: int = 0) -> None:
+    """``low <= t <= high + offset`` elementwise, ``high`` an int or a tensor that broadcasts with
+    ``t`` (a relation between two index tensors: ``key_start <= key_end``); ``what`` says what
+    the bound is, for the message. Once per version of ``t`` (and of ``high``) and bound."""
+    if not readable(t, high if isinstance(high, torch.Tensor) else None):
+        return
+    bound = ("within", low, ("tensor", serial(high)) if isinstance(high, torch.Tensor) else high, offset)
+    if was_checked(t, bound):
+        return
+    upper = high + offset if offset else high
+    require((t >= low) & (t <= upper), f"{name}: every value must lie in [{low}, {what}]", t)
+    mark_checked(t, bound)
+
+
+def mark_within(t: torch.Tensor, low: int, high, offset: int = 0) -> None:
+    """Record that the package made ``t`` within these bounds (:func:`check_within` then skips it)."""
+    if readable(t, high if isinstance(high, torch.Tensor) else None):
+        mark_checked(t, ("within", low, ("tensor", serial(high)) if isinstance(high, torch.Tensor) else high,
+                         offset))
