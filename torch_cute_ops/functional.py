@@ -11,6 +11,7 @@ from .ops import attention_kvcache as _attention_kvcache
 from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
 from .ops import scaled_gemm as _scaled_gemm
+from .ops import bounds
 from .ops.direct import dispatcher_free
 
 
@@ -143,9 +144,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     left, right = _window_bounds(window_size)
     if cache_seqlens is None or isinstance(cache_seqlens, int):
-        full = k_cache.shape[1] * (1 if page_table is None else page_table.shape[-1])
-        length = full - (0 if k is None else k.shape[1]) if cache_seqlens is None else cache_seqlens
-        cache_seqlens = torch.full((q.shape[0],), length, dtype=torch.int32, device=q.device)
+        cache_seqlens = _uniform_lengths(q, k_cache, k, page_table, cache_seqlens)
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, float(softmax_scale), bool(causal),
             left, right, float(softcap), cache_leftpad)
     if dispatcher_free(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad):
@@ -153,6 +152,21 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         out, lse = torch.ops.cute.flash_attn_kvcache(*args)
     return (out, lse) if return_lse else out
+
+
+def _uniform_lengths(q, k_cache, k, page_table, length: int | None) -> torch.Tensor:
+    """One cache length for every entry (None: the capacity less the new tokens), checked here on
+    the host and made into the int32 (batch,) tensor the op takes, recorded as checked."""
+    capacity = k_cache.shape[1] * (1 if page_table is None or page_table.dim() != 2 else page_table.shape[1])
+    new = 0 if k is None else k.shape[1]
+    if length is None:
+        length = capacity - new
+    if isinstance(length, bool) or not 0 <= length <= capacity - new:
+        raise ValueError(f"cache_seqlens: expected a length in [0, {capacity - new}] (the cache's capacity of "
+                         f"{capacity} keys per entry less {new} new tokens), got {length!r}")
+    lengths = torch.full((q.shape[0],), length, dtype=torch.int32, device=q.device)
+    bounds.mark_within(lengths, 0, capacity - new)
+    return lengths
 
 
 def _window_bounds(window_size) -> tuple[int | None, int | None]:

@@ -144,7 +144,8 @@ def _fwd_outputs_like(q):
             q.new_empty((b, h, s), dtype=lse_dtype))
 
 
-_fwd_plans: dict[tuple, object] = {}
+_fwd_plans: dict[tuple, object] = {}  # by what planning reads (a growing cache: its key tiles)
+_fwd_exact: dict[tuple, object] = {}  # the same plans by the exact layout: the cheaper key to build
 
 
 def _masked_reason(causal, local, softcap, key_start, attn_mask) -> str | None:
@@ -183,13 +184,17 @@ def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window
         _validate_softcap(softcap)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
     padded = key_start is not None
-    # a mask's shape is checked against the key count: its plans are keyed on the exact layout
-    layout = _decode_qkv_key(q, k, v) if attn_mask is None else _qkv_key(q, k, v)
-    key = (*layout, band_causal, local, softcap_kind(softcap, q.dtype), _optional_key(key_start),
-           _optional_key(key_end), _optional_key(attn_mask))
-    plan = _fwd_plans.get(key, False)
+    flags = (band_causal, local, softcap_kind(softcap, q.dtype), _optional_key(key_start), _optional_key(key_end),
+             _optional_key(attn_mask))
+    exact = (*_qkv_key(q, k, v), *flags)
+    plan = _fwd_exact.get(exact, False)
     if plan is False:
-        plan = _make_fwd_plan(key, q, k, v, band_causal, local, softcap, key_start, key_end, attn_mask)
+        # a mask's shape is checked against the key count: its plans stay keyed on the exact layout
+        key = (*_decode_qkv_key(q, k, v), *flags) if attn_mask is None else exact
+        plan = _fwd_plans.get(key, False)
+        if plan is False:
+            plan = _make_fwd_plan(key, q, k, v, band_causal, local, softcap, key_start, key_end, attn_mask)
+        _remember(_fwd_exact, exact, plan)
     if padded:
         check_key_range(key_start, key_end, k.shape[1])
     if plan is not None and not isinstance(plan, str):

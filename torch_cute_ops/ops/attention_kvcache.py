@@ -140,7 +140,8 @@ def _outputs_like(q):
             q.new_empty((b, h, s), dtype=reference.compute_dtype(q.dtype)))
 
 
-_plans: dict[tuple, object] = {}
+_plans: dict[tuple, object] = {}  # by what planning reads (a growing cache: its key tiles)
+_exact_plans: dict[tuple, object] = {}  # the same plans by the exact layout: the cheaper key to build
 
 
 def _mergeable(cache) -> bool:
@@ -176,15 +177,17 @@ def _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_left
     return _remember(_plans, key, plan)
 
 
-def _layout_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad) -> tuple:
+def _exact_key(*tensors) -> tuple:
+    return tuple((t.shape, t.stride(), t.dtype, t.device) if t is not None else None for t in tensors)
+
+
+def _planning_key(exact: tuple, k_cache, v_cache, page_table, cache_batch_idx) -> tuple:
     """What validation and planning read of the tensors. A contiguous cache read directly (no page
     table, no cache_batch_idx: transformers' caches, which grow by a key a step) enters by
     :func:`keys_key`, so the cache's growth does not make a new plan per step."""
-    exact = [(t.shape, t.stride(), t.dtype, t.device) if t is not None else None
-             for t in (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)]
-    if page_table is None and cache_batch_idx is None:
-        exact[1:3] = keys_key(k_cache), keys_key(v_cache), k_cache.shape[1] == v_cache.shape[1]
-    return tuple(exact)
+    if page_table is not None or cache_batch_idx is not None:
+        return exact
+    return (exact[0], keys_key(k_cache), keys_key(v_cache), k_cache.shape[1] == v_cache.shape[1], *exact[3:])
 
 
 def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
@@ -193,13 +196,17 @@ def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         _validate_softcap(softcap)
     capacity = _capacity(k_cache, page_table) if page_table is None or page_table.dim() == 2 else 0
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], capacity)
-    key = (*_layout_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad),
-           band_causal, local, softcap_kind(softcap, q.dtype))
-    plan = _plans.get(key, False)
+    exact = (*_exact_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad),
+             band_causal, local, softcap_kind(softcap, q.dtype))
+    plan = _exact_plans.get(exact, False)
     if plan is False:
-        _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
-        plan = _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_leftpad, band_causal, local,
-                          softcap)
+        key = _planning_key(exact, k_cache, v_cache, page_table, cache_batch_idx)
+        plan = _plans.get(key, False)
+        if plan is False:
+            _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
+            plan = _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_leftpad, band_causal,
+                              local, softcap)
+        _remember(_exact_plans, exact, plan)
     _check_values(k_cache, k, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
     if k is not None:
         _append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)
