@@ -73,11 +73,15 @@ def _check_values(k_cache, k, cache_seqlens, cache_batch_idx, page_table, cache_
     stores (ops.bounds: on the device where they live, no host sync; once per version)."""
     new = 0 if k is None else k.shape[1]
     capacity = _capacity(k_cache, page_table)
+    # a contiguous cache read directly: the lengths only place TMA loads of it (ops.bounds), and
+    # the append's index_put_ bounds its own stores
+    paged = page_table is not None or cache_batch_idx is not None
     bounds.check_within("cache_seqlens", cache_seqlens, 0, capacity - new,
-                        f"{capacity - new} (the cache's capacity of {capacity} keys per entry less {new} new tokens)")
+                        f"{capacity - new} (the cache's capacity of {capacity} keys per entry less {new} new tokens)",
+                        in_graphs=paged)
     if cache_leftpad is not None:
         bounds.check_within("cache_leftpad", cache_leftpad, 0, cache_seqlens,
-                            f"its entry's length (cache_seqlens plus {new} new tokens)", offset=new)
+                            f"its entry's length (cache_seqlens plus {new} new tokens)", offset=new, in_graphs=False)
     limit = k_cache.shape[0] - 1
     for name, t in (("cache_batch_idx", cache_batch_idx), ("page_table", page_table)):
         if t is not None and t.numel():

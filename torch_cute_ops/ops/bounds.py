@@ -9,7 +9,10 @@ loads, so every one of them is checked before the launch that reads it:
   on the GPU and handed to ``torch._assert_async``, queued on the caller's stream ahead of the
   kernel. A violated bound stops the stream with a device-side assertion (as PyTorch's own
   indexing does on CUDA): the kernel that would have read out of bounds never runs. Such checks
-  are captured into CUDA graphs with the launch, so every replay checks the values it finds.
+  are captured into CUDA graphs with the launch, so every replay checks the values it finds;
+  key ranges of a contiguous cache are the exception (``in_graphs=False``): they only place the
+  TMA's loads of that cache, which read zeros out of range, so a replay is memory-safe without
+  the check's launches (a wrong range then gives a wrong row, never a stray read).
 
 A check done once is remembered for that tensor (a weak reference), its version (an in-place
 write makes it new) and every bound it was checked against, so a model's layers, which share one
@@ -92,11 +95,15 @@ def require(ok: torch.Tensor, message: str, values: torch.Tensor | None = None) 
         raise ValueError(message)
 
 
-def check_within(name: str, t: torch.Tensor, low: int, high, what: str, offset: int = 0) -> None:
+def check_within(name: str, t: torch.Tensor, low: int, high, what: str, offset: int = 0,
+                 in_graphs: bool = True) -> None:
     """``low <= t <= high + offset`` elementwise, ``high`` an int or a tensor that broadcasts with
     ``t`` (a relation between two index tensors: ``key_start <= key_end``); ``what`` says what
-    the bound is, for the message. Once per version of ``t`` (and of ``high``) and bound."""
-    if not readable(t, high if isinstance(high, torch.Tensor) else None):
+    the bound is, for the message. Once per version of ``t`` (and of ``high``) and bound.
+    ``in_graphs=False``: not captured into CUDA graphs, for values that only bound TMA loads of
+    one tensor (out-of-range coordinates read zeros, never another tensor's memory), where a
+    serving loop's replays should not pay for the check's launches."""
+    if not readable(t, high if isinstance(high, torch.Tensor) else None) or (not in_graphs and _capturing(t)):
         return
     bound = ("within", low, ("tensor", serial(high)) if isinstance(high, torch.Tensor) else high, offset)
     if was_checked(t, bound):
