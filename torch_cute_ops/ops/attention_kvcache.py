@@ -73,8 +73,10 @@ def _check_values(k_cache, k, cache_seqlens, cache_batch_idx, page_table, cache_
     stores (ops.bounds: on the device where they live, no host sync; once per version)."""
     new = 0 if k is None else k.shape[1]
     capacity = _capacity(k_cache, page_table)
-    # a contiguous cache read directly: the lengths only place TMA loads of it (ops.bounds), and
-    # the append's index_put_ bounds its own stores
+    # Inside CUDA graphs only what a kernel reads without the TMA is checked: a paged entry's length
+    # bounds the page-table columns its kernel reads; lengths of a contiguous cache, left pads,
+    # pages and cache rows only place TMA loads of the cache, which read zeros out of range
+    # (ops.bounds), and the append's index_put_ bounds its own stores.
     paged = page_table is not None or cache_batch_idx is not None
     bounds.check_within("cache_seqlens", cache_seqlens, 0, capacity - new,
                         f"{capacity - new} (the cache's capacity of {capacity} keys per entry less {new} new tokens)",
@@ -85,7 +87,7 @@ def _check_values(k_cache, k, cache_seqlens, cache_batch_idx, page_table, cache_
     limit = k_cache.shape[0] - 1
     for name, t in (("cache_batch_idx", cache_batch_idx), ("page_table", page_table)):
         if t is not None and t.numel():
-            bounds.check_within(name, t, 0, limit, f"{limit} (the cache's first dim less one)")
+            bounds.check_within(name, t, 0, limit, f"{limit} (the cache's first dim less one)", in_graphs=False)
 
 
 def _append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table) -> None:
