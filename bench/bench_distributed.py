@@ -56,8 +56,9 @@ def parse_args(argv=None):
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
-    # 1e-3 diverged after 6 steps on two H200s (loss 4.9 -> 27.5 in every run, session 11), after
-    # which the curves are chaos, not a comparison
+    # 1e-3 diverged after 6 steps on two H200s (loss 4.9 -> 27.5 in every run; bench/NOTES.md,
+    # 2026-11-23, "FP8 under Nsight; first two-GPU run"), after which the curves are chaos, not a
+    # comparison
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--no-reshard", action="store_true",
                         help="FSDP2 keeps each block's parameters gathered from forward to backward "

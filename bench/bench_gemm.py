@@ -39,7 +39,8 @@ SMALL_M_SHAPES = [(m, n, k) for m in (128, 256, 512) for n, k in LLM_NK]
 # decode-sized M (a serving batch's tokens): B is all the bytes; #16 asks for a measurement, not a bar
 DECODE_M_SHAPES = [(m, n, k) for m in (1, 16, 32, 64) for n, k in LLM_NK]
 # just over one wave of 128-row tiles, odd numbers of tile rows (a prefill chunk's tokens): not in
-# the bar set; 0.67-0.89x cuBLAS when first measured (bench/NOTES.md, session 23)
+# the bar set; 0.67-0.89x cuBLAS when first measured (bench/NOTES.md, 2026-11-25,
+# "96-column tiles; the two-wave gap")
 TWO_WAVE_SHAPES = [(m, n, k) for m in (384, 640, 1152) for n, k in LLM_NK]
 CHAIN_ROWS, CHAIN_WIDTH, CHAIN_DEPTH = (1, 16, 64, 128, 256), 4096, 8
 FUSED_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 14336, 4096), (16384, 4096, 4096)]

@@ -7,8 +7,8 @@
 
 Prints, per profiled kernel: the stall reasons summed over all instructions (share of the
 samples), the executed warp instructions by opcode, and the instructions with the most stall
-samples (their top reasons beside them). This is how session 11 found the blockwise FP8 loop
-issue-bound (bench/NOTES.md).
+samples (their top reasons beside them). This is how the blockwise FP8 loop was found
+issue-bound (bench/NOTES.md, 2026-11-23, "FP8 under Nsight; first two-GPU run").
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def test_flag_is_keyword_only_in_the_schemas():
 def test_backward_orders_its_dq_adds_only_when_asked(monkeypatch, head_dim, causal):
     """The ordered variant only when asked for: at D256 it was the default where key blocks see
     different query ranges until the unordered adds measured 7-14% faster there (bench/NOTES.md,
-    session 31)."""
+    2026-11-26, "Masked and long deterministic backwards")."""
     from torch_cute_ops.runtime import attention as host
 
     monkeypatch.setattr(host, "get_compiled", lambda spec: spec)

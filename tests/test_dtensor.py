@@ -229,7 +229,7 @@ def _tp_worker(rank: int, world: int, store: str) -> None:
 
 
 def test_tensor_parallel_recipe_matches_one_process():
-    """The README's tensor-parallel plan over the recipe decoder: the same loss and gradients as the
+    """The tensor-parallel plan of docs/integrations.md over the recipe decoder: the same loss and gradients as the
     unsharded model, with every projection and attention on the cute ops."""
     _spawn(_tp_worker)
 

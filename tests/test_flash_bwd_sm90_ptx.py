@@ -68,7 +68,8 @@ def _entry(ptx: str, name_part: str) -> str:
 def test_dq_postprocess_stores_whole_vectors(rows, tmp_path):
     """The postprocess moves dQ through shared memory and writes it to global memory in 16-byte
     vectors only: storing each value at its MMA coordinate (2 bytes at a time) made it take
-    three times FA4's postprocess (bench/NOTES.md, session 12)."""
+    three times FA4's postprocess (bench/NOTES.md, 2026-11-23,
+    "The backward's dQ postprocess; FSDP2 on two H200s")."""
     post = _entry(_ptx(flash_host.bwd_spec("bf16", 128, False, rows=rows), tmp_path), "postprocess")
     stores = {line.split()[0] for line in post.splitlines() if line.strip().startswith("st.global")}
     assert stores == {"st.global.v4.b32"}

@@ -135,7 +135,7 @@ def test_launch_level_outputs_are_all_written():
 
 def test_rows_that_see_nothing_match_the_documented_choice():
     """A fully masked row: ours is 0 (and lse -inf, zero gradients). PyTorch's default CUDA
-    backend is printed beside it for the record (see README)."""
+    backend is printed beside it for the record (see docs/api.md)."""
     import torch_cute_ops as tco
 
     q, k, v = (torch.randn(1, 2, 64, 64, device="cuda").bfloat16().requires_grad_() for _ in range(3))

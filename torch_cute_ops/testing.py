@@ -1,6 +1,6 @@
 """Small models for the tests and benchmarks that need one; not part of the op API.
 
-:class:`RecipeDecoder` is the README's distributed recipe model: pre-norm blocks, GQA attention
+:class:`RecipeDecoder` is the distributed recipe model of docs/integrations.md: pre-norm blocks, GQA attention
 through :func:`torch_cute_ops.scaled_dot_product_attention`, a GELU MLP, every projection a
 :class:`CuteLinear` without bias (tensor-parallel styles accept ``nn.Linear`` subclasses);
 :func:`tensor_parallel_plan` shards it column-/row-parallel.

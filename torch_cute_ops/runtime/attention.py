@@ -134,7 +134,7 @@ def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None =
 # Soft-capped scores lie in (-softcap, softcap). Up to this cap one fixed max keeps their
 # exponentials within [2^-120, 2^64] (kernels.common.softmax.OnlineSoftmax): fp32 sums and
 # bf16 P hold them without a running max, and the forward skips the max altogether
-# (bench/NOTES.md, session 12). fp16 P tops out at 2^16.
+# (bench/NOTES.md, 2026-11-23, "Softcap without a running max"). fp16 P tops out at 2^16.
 BOUNDED_SOFTCAP_MAX = 92.0 * math.log(2.0)  # 63.8: softcap * log2(e) <= 92
 
 

@@ -338,15 +338,17 @@ def scaled_spec(host: GemmHost, a_dtype, b_dtype, out_dtype, bias_dtype, scale_m
 
 # Blockwise 128 x 192 (one k-tile fragment per warpgroup) against 128 x 128 (two) where both fill
 # their waves: +1 to +10% at 8192^3 and 16384 x 8192 / 12288 / 14336 x 4096 (H100, bench_fp8.py,
-# several runs; bench/NOTES.md, session 27), level at 1024 / 16384 x 4096 x 4096 and 1024 x 12288.
+# several runs; bench/NOTES.md, 2026-11-26, "Blockwise 128 x 192; ordered adds over rotated walks"),
+# level at 1024 / 16384 x 4096 x 4096 and 1024 x 12288.
 # Elsewhere the tile count's wave fill decides.
 BLOCK_192_EFFICIENCY = 1.03
 
 
 # Blockwise 256 x 128 (each warpgroup's rows in two waves) against 128 x 128 where both fill their
 # waves, through the pipeline's polled waits: +5% at 4096 / 1024 x 4096 x 14336, and +2 to +5% over
-# 128 x 192 at 8192^3, 16384 x 8192 x 4096 and 4096 x 14336 x 4096 (H100, bench/NOTES.md, session
-# 34). Its 1 x 2 cluster (A multicast to the pair) was the faster one at four of those five shapes.
+# 128 x 192 at 8192^3, 16384 x 8192 x 4096 and 4096 x 14336 x 4096 (H100, bench/NOTES.md,
+# 2026-11-26, "DeepGEMM measured here; blockwise 256 x 128"). Its 1 x 2 cluster (A multicast to
+# the pair) was the faster one at four of those five shapes.
 BLOCK_256_EFFICIENCY = 1.06
 
 

@@ -129,12 +129,15 @@ SM90_PINGPONG_MAX_K = 1024
 
 # Throughput of a 128-row cooperative tile per SM relative to 128 x 256 (16-bit, H100): the
 # narrower the tile, the more A and B bytes it loads per MMA. Fitted to bench_gemm.py config
-# columns at M = 128..1024 (bench/NOTES.md, session 19): at equal wave fill 128 x 192 ran at
+# columns at M = 128..1024 (bench/NOTES.md, 2026-11-25, "Few-row GEMMs: tile width by wave fill"):
+# at equal wave fill 128 x 192 ran at
 # 0.92-0.98 of 128 x 256; 128 x 64 wins only where the wider tiles leave half the SMs or more
-# idle (M = 128 and 256 at N = 4096). 128 x 96 fitted to one point (session 23): 128 x 12288 x
+# idle (M = 128 and 256 at N = 4096). 128 x 96 fitted to one point (2026-11-25, "96-column tiles;
+# the two-wave gap"): 128 x 12288 x
 # 4096, 128 tiles of 96 (fill 0.97) at 263-265 TFLOP/s against 96 of 128 (fill 0.73) at 252.
 # 128 x 192 runs ping-pong (0.93 cooperative): at 256 x 12288, 512 x 12288 and 1024 x 14336 (K
-# = 4096) ping-pong was 2-4% faster than cooperative at the same tile (session 20).
+# = 4096) ping-pong was 2-4% faster than cooperative at the same tile (2026-11-25, "What cuBLAS
+# runs at few rows; deeper rings").
 SM90_TILE_N_EFFICIENCY = {256: 1.0, 192: 0.96, 128: 0.85, 96: 0.66, 64: 0.6}
 
 
@@ -150,7 +153,8 @@ def wave_fill(tiles: int, sm_count: int) -> float:
 # 14336 1.01 vs 0.84; 32 rows (128 x 32) 0.97-1.02 vs 0.92-0.95; at 48 and 64 rows 64 x 64
 # wins (the weight would be read twice). FP8 rowwise, of torch._scaled_mm: 1.07-1.39x vs
 # 1.01-1.25x at M = 1 and 16, 1.06-1.29x vs 1.07-1.20x at 32 rows. Blockwise scales have no
-# swapped variant (runtime.gemm.block_scaled_config). bench/NOTES.md, session 21.
+# swapped variant (runtime.gemm.block_scaled_config). bench/NOTES.md, 2026-11-25, "Swapped
+# operands for decode rows; PDL".
 SM90_SWAP_MAX_M = 32
 
 
@@ -214,7 +218,8 @@ def slot_use(config: GemmConfig, m: int, n: int, batch: int, sm_count: int) -> f
 
 
 # A 128-row tile in a 1 x 1 cluster against the same tile in 2 x 1 (B multicast to the pair),
-# at equal slot use. Fitted to the config columns of session 24 (H100, bf16, M = 384 .. 1152):
+# at equal slot use. Fitted to the config columns of bench/NOTES.md, 2026-11-26, "192-row tiles,
+# few-wave heuristic, tail tiles" (H100, bf16, M = 384 .. 1152):
 # 0.93-0.95 for 128 x 256 and 128 x 192 ping-pong; 0.9 keeps 2 x 1 at 2052 x 14336 x 4096 (17
 # tile rows: 10 waves in 1 x 1, 11 in 2 x 1; measured 2 x 1 596 vs 1 x 1 567 TFLOP/s).
 SM90_SINGLE_CTA_EFFICIENCY = 0.9
@@ -223,7 +228,8 @@ SM90_SINGLE_CTA_EFFICIENCY = 0.9
 def _without_idle_cluster_rows(config: GemmConfig, m: int, n: int, batch: int, sm_count: int) -> GemmConfig:
     """1 x 1 clusters where an odd number of tile rows would leave a 2 x 1 cluster's second CTA
     past M and those CTAs cost more slot use than the multicast saves. H100, bf16, TFLOP/s, 2 x 1
-    vs 1 x 1 (session 24): 640 x 12288 x 4096 on 128 x 256 tiles 481 vs 614 (3 waves vs 2), 1152
+    vs 1 x 1 (2026-11-26, "192-row tiles, few-wave heuristic, tail tiles"): 640 x 12288 x 4096 on
+    128 x 256 tiles 481 vs 614 (3 waves vs 2), 1152
     x 14336 x 4096 583 vs 643 (5 vs 4), 640 x 14336 x 4096 on 128 x 192 ping-pong 525 vs 594;
     where the waves are as many, 2 x 1 kept its lead: 640 x 14336 on 128 x 256 551 vs 507, 640
     x 4096 ping-pong 494 vs 463."""
@@ -236,8 +242,9 @@ def _without_idle_cluster_rows(config: GemmConfig, m: int, n: int, batch: int, s
 
 
 # 192-row tiles (three consumer warpgroups), on the scale of SM90_TILE_N_EFFICIENCY: fitted to
-# bench_gemm.py config columns at M = 384, 640 and 1152 over the LLM widths (H100, bf16, session
-# 24): 192 x 192 in 2 x 1 clusters ran at 0.98 of 128 x 256 in 2 x 1 at equal slot use; 192 x 128
+# bench_gemm.py config columns at M = 384, 640 and 1152 over the LLM widths (H100, bf16,
+# 2026-11-26, "192-row tiles, few-wave heuristic, tail tiles"): 192 x 192 in 2 x 1 clusters ran at
+# 0.98 of 128 x 256 in 2 x 1 at equal slot use; 192 x 128
 # in 1 x 1 beat 128 x 192 ping-pong in 1 x 1 by 5-10% at equal slot use (384 x 14336 x 4096: 582
 # vs 528); 192 x 64 at 0.66 (its measured wins: 384 x 4096 x 4096, 128 tiles, 409-411 TFLOP/s
 # against 347-353 for 96 of 128 x 128 in 2 x 1; 533 vs 372 at K = 14336). 16-bit only, where
@@ -269,7 +276,8 @@ def _tall_tiles(m: int, n: int, batch: int, sm_count: int, score_to_beat: float)
 
 # 128 x 160 tiles in 1 x 2 clusters (A multicast to the pair), as cuBLAS runs 640 x 4096 x K:
 # 26 columns of tiles at N = 4096, 130 tiles over five tile rows, one wave. Only where they make
-# one wave: H200, bf16, bare, session 24: 640 x 4096 x 4096 611 vs 560 TFLOP/s (128 x 192
+# one wave: H200, bf16, bare, 2026-11-26, "192-row tiles, few-wave heuristic, tail tiles": 640 x
+# 4096 x 4096 611 vs 560 TFLOP/s (128 x 192
 # ping-pong in 2 x 1, the pick before), 656 vs 588 at K = 14336; behind at 384 x 4096 (399 vs 475)
 # and over several waves (2052 x 14336: 571 vs 584, 1536 x 4096: 540 vs 702). Efficiency on the
 # scale of SM90_TILE_N_EFFICIENCY, fitted to the 640 x 4096 pair.
@@ -280,7 +288,8 @@ SM90_ONE_WAVE_160_EFFICIENCY = 0.87
 # From this many full waves of work units (clusters of tiles) on, a 16-bit GEMM whose last wave
 # is partial runs stream-K (GemmConfig.stream_k): the last two waves' k-tiles are dealt out over
 # all clusters. H100, bf16, 128 x 256 tiles in 2 x 1 clusters, bare configs side by side in two
-# runs (bench/NOTES.md, session 22): 8192^3 +5% (697-708 vs 649-681 TFLOP/s), M = 16384 at the LLM
+# runs (bench/NOTES.md, 2026-11-25, "Stream-K for the last waves"): 8192^3 +5% (697-708 vs
+# 649-681 TFLOP/s), M = 16384 at the LLM
 # widths 0 to +3%, 4096 x 12288 / 14336 x 4096 (11-13 waves) even; at 4 waves or fewer it lost up
 # to 11% (4096 x 4096 x 14336, 512 x 14336 x 4096): the clusters' k-ranges start at unrelated
 # k-tiles, so the tiles of a wave no longer share their A rows and B columns through L2, and the

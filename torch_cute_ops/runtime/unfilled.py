@@ -6,7 +6,8 @@ kin is first filled with NaN (integers: their maximum) while
 reads memory it never wrote still gives the same bytes every run. ATen's own ops allocate their
 outputs beneath that fill. Ours go through ``torch.empty``, and their kernels overwrite every
 byte: the fill is a second full write of each output and workspace, an extra ~20% on the
-attention backward at S1024 (dq, dk, dv and the fp32 dQ accumulator; bench/NOTES.md, session 30).
+attention backward at S1024 (dq, dk, dv and the fp32 dQ accumulator; bench/NOTES.md, 2026-11-26,
+"Deterministic cost: mostly PyTorch's fill").
 """
 
 from __future__ import annotations

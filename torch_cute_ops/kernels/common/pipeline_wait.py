@@ -5,7 +5,8 @@ The CuTe DSL pipelines wait with ``mbarrier.try_wait`` and a 10 ms suspend-time 
 stage has not landed sleeps (``NANOSLEEP.SYNCS`` in SASS) until the phase completes and the
 scheduler wakes it. :func:`poll_until_full` polls ``try_wait`` without the hint instead, so each
 poll is only the hardware's own short wait. On the blockwise FP8 GEMM, which waits for a stage
-right before each k-tile's batch, that was +3 to +5% (H100, bench/NOTES.md, session 34).
+right before each k-tile's batch, that was +3 to +5% (H100, bench/NOTES.md, 2026-11-26,
+"DeepGEMM measured here; blockwise 256 x 128").
 """
 
 from __future__ import annotations
