@@ -75,9 +75,11 @@ _keep_alive: list = []  # loaded modules and runtime libraries live as long as t
 _warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
+def _warn_once(message: str, key: str | None = None) -> None:
+    """Log ``message`` unless this process logged it, or another message of the same ``key``."""
+    key = message if key is None else key
+    if key not in _warned:
+        _warned.add(key)
         log.warning("torch_cute_ops: %s", message)
 
 
@@ -202,6 +204,26 @@ def untrusted_reason(path: Path, *, must_own: bool) -> str | None:
     return None
 
 
+def untrusted_file_reason(path: Path) -> str | None:
+    """Why a prebuilt manifest or library must not be believed, or None: it must be a regular
+    file (no symbolic link), owned by root or us, writable by its owner alone."""
+    st = path.lstat()
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by {'every user' if st.st_mode & stat.S_IWOTH else f'group {st.st_gid}'}"
+    return untrusted_reason(path, must_own=False)
+
+
+def _stat_key(path: Path) -> tuple | None:
+    """What a check of ``path`` read of its metadata (None: absent); a changed key redoes it."""
+    try:
+        st = path.lstat()
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid, st.st_gid
+
+
 # ------------------------------------------------------------------------- prebuilt libraries
 
 def aot_dirs() -> list[Path]:
@@ -224,28 +246,101 @@ def manifest_mismatch(manifest: dict) -> str | None:
     return None
 
 
-@functools.cache
+class ManifestError(ValueError):
+    """A prebuilt manifest that is not what ``python -m torch_cute_ops aot`` writes."""
+
+
+@dataclass(frozen=True)
+class PrebuiltManifest:
+    path: Path
+    library: Path
+    sha256: str
+    symbols: tuple[tuple[str, str], ...]  # (spec digest, exported symbol) per variant
+
+
+def _field(mapping: dict, key: str, kind: type, where: str = ""):
+    value = mapping.get(key)
+    if not isinstance(value, kind):
+        raise ManifestError(f"{where}{key} must be a {kind.__name__}, not {type(value).__name__}")
+    return value
+
+
+def parse_manifest(path: Path, text: str) -> PrebuiltManifest:
+    """The manifest at ``path`` holding ``text``, checked for shape and toolchain (not for
+    trust, nor against its library); ManifestError says what is wrong."""
+    try:
+        manifest = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise ManifestError(f"not JSON ({str(err)[:200]})") from None
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"a JSON {type(manifest).__name__}, not an object")
+    mismatch = manifest_mismatch(manifest)
+    if mismatch:
+        raise ManifestError(mismatch)
+    name = _field(manifest, "library", str)
+    if name in ("", ".", "..") or "\0" in name or "/" in name or os.sep in name:
+        raise ManifestError(f"library {name!r} is not a file name in the manifest's own folder")
+    symbols = []
+    for i, variant in enumerate(_field(manifest, "variants", list)):
+        if not isinstance(variant, dict):
+            raise ManifestError(f"variants[{i}] is a {type(variant).__name__}, not an object")
+        symbols.append((_field(variant, "digest", str, f"variants[{i}]."),
+                        _field(variant, "symbol", str, f"variants[{i}].")))
+    return PrebuiltManifest(path, path.parent / name, _field(manifest, "sha256", str), tuple(symbols))
+
+
+@functools.lru_cache(maxsize=32)
+def _parsed_manifest(path: Path, text: str, toolchain_key: tuple) -> PrebuiltManifest | str:
+    """:func:`parse_manifest`, or what is wrong; cached on all it reads (text, toolchain)."""
+    try:
+        return parse_manifest(path, text)
+    except ManifestError as err:
+        return str(err)
+
+
+@functools.lru_cache(maxsize=32)
+def _library_reason(library: Path, sha256: str, library_key: tuple | None) -> str | None:
+    """Why a prebuilt library is not the one its manifest vouches for; cached on its metadata."""
+    try:
+        reason = untrusted_file_reason(library)
+        if reason is None and _sha256(library) != sha256:
+            reason = f"{library.name}'s sha256 differs from the manifest's (truncated or replaced)"
+        return reason
+    except OSError as err:
+        return f"its library is unreadable ({err})"
+
+
+def check_prebuilt(manifest_path: Path) -> PrebuiltManifest | str | None:
+    """The usable manifest at ``manifest_path``, why it is not usable, or None (there is none)."""
+    try:
+        manifest_path.lstat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError) as err:
+        return f"unreadable ({err})"
+    try:
+        reason = untrusted_reason(manifest_path.parent, must_own=False) or untrusted_file_reason(manifest_path)
+        if reason:
+            return reason
+        text = manifest_path.read_text()
+    except (OSError, ValueError) as err:
+        return f"unreadable ({err})"
+    found = _parsed_manifest(manifest_path, text, tuple(sorted(toolchain().items())))
+    if isinstance(found, str):
+        return found
+    return _library_reason(found.library, found.sha256, _stat_key(found.library)) or found
+
+
 def _aot_index(arch: str) -> dict[str, tuple[Path, str]]:
-    """spec digest -> (library, symbol), from the first usable manifest of each AOT folder."""
+    """spec digest -> (library, symbol), from the usable manifests of the AOT folders."""
     index: dict[str, tuple[Path, str]] = {}
     for root in reversed(aot_dirs()):  # the environment's folder overrides the package's
         manifest_path = root / arch / "manifest.json"
-        if not manifest_path.is_file():
-            continue
-        try:
-            manifest = json.loads(manifest_path.read_text())
-            library = manifest_path.parent / manifest["library"]
-            reason = manifest_mismatch(manifest) or untrusted_reason(library.parent, must_own=False) \
-                or untrusted_reason(library, must_own=False)
-            if reason is None and _sha256(library) != manifest["sha256"]:
-                reason = "its sha256 differs from the manifest's (truncated or replaced)"
-        except (OSError, KeyError, ValueError) as err:
-            reason = f"unreadable ({err})"
-        if reason:
-            _warn_once(f"prebuilt kernels in {manifest_path.parent} not used: {reason}")
-            continue
-        for variant in manifest["variants"]:
-            index[variant["digest"]] = (library, variant["symbol"])
+        found = check_prebuilt(manifest_path)
+        if isinstance(found, str):
+            _warn_once(f"prebuilt kernels in {manifest_path.parent} not used: {found}")
+        elif found is not None:
+            index.update((digest, (found.library, symbol)) for digest, symbol in found.symbols)
     return index
 
 
@@ -254,7 +349,12 @@ def _load_prebuilt(spec: KernelSpec) -> Callable | None:
     if entry is None:
         return None
     start = time.perf_counter()
-    fn = load_library_function(*entry)
+    try:
+        fn = load_library_function(*entry)
+    except Exception as err:  # noqa: BLE001 (a library that does not load is not used)
+        _warn_once(f"prebuilt kernel library {entry[0]} does not load ({err}); compiling instead",
+                   key=f"prebuilt-load:{entry[0]}")
+        return None
     stats.load_seconds += time.perf_counter() - start
     stats.aot_hits += 1
     return fn
@@ -435,4 +535,5 @@ def get_compiled(spec: KernelSpec) -> Callable:
 def clear_memory_cache() -> None:
     """Forget what this process loaded (what a new process sees); for tests."""
     _memory.clear()
-    _aot_index.cache_clear()
+    _parsed_manifest.cache_clear()
+    _library_reason.cache_clear()
