@@ -1,14 +1,28 @@
-"""The prebuilt-library loader under faults: it never fails an op.
+"""The kernel cache and the prebuilt-library loader under faults: they never fail an op.
 
-Pins: malformed, misplaced or loosely permitted prebuilt manifests are ignored with one
-warning; a check is redone when what it read changes. The CuTe DSL is replaced by
-:mod:`fake_kernels` (instant compiles), so these run on any machine in seconds.
+Pins: an unusable cache (unwritable folder, lock path that is a folder, full disk, no parent
+folder) compiles in memory with one warning; malformed sidecars are removed and rebuilt;
+malformed, misplaced or loosely permitted prebuilt manifests are ignored with one warning; a
+lock held by a stopped process is waited on for a bounded time, naming the lock and its holder;
+a process killed mid-store leaves nothing that outlives the next start; concurrent cold starts
+compile each variant once. The CuTe DSL is replaced by :mod:`fake_kernels` (instant compiles),
+so these run on any machine in seconds.
 """
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,6 +31,11 @@ import fake_kernels
 from torch_cute_ops import cli
 from torch_cute_ops.runtime import cache
 from torch_cute_ops.runtime.spec import KernelSpec
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+NOBODY = 65534
+
 
 def fake(factor: float) -> KernelSpec:
     return KernelSpec.make("fake", "sm_90a", factor=factor)
@@ -62,6 +81,285 @@ def cache_folder(tmp_path: Path) -> Path:
 
 def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if ".tmp" in p.name)
+
+
+# ------------------------------------------------------------------------- child processes
+
+_PRELUDE = """\
+import json, logging, sys
+import fake_kernels
+fake_kernels.install()
+from torch_cute_ops.runtime import cache
+from torch_cute_ops.runtime.spec import KernelSpec
+warned = []
+handler = logging.Handler()
+handler.emit = lambda record: warned.append(record.getMessage())
+logging.getLogger("torch_cute_ops").addHandler(handler)
+fake = lambda factor: KernelSpec.make("fake", "sm_90a", factor=factor)
+"""
+
+
+def child_env(tmp_path: Path, cache_root: Path | None = None, **extra) -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]),
+            "TORCH_CUTE_OPS_CACHE_DIR": str(cache_root or tmp_path / "cache"),
+            "TORCH_CUTE_OPS_AOT_DIR": str(tmp_path / "aot"), "FAKE_COMPILE_LOG": str(tmp_path / "compiles.log"),
+            **extra}
+
+
+def start_child(code: str, env: dict, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _PRELUDE + code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def run_child(code: str, env: dict, **popen) -> dict:
+    """Run ``code`` after the prelude; it prints one JSON line, returned with the warnings logged."""
+    proc = start_child(code + "\nprint(json.dumps({**result, 'warned': warned}))", env, **popen)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+_RESOLVE = ("result = {'values': [cache.get_compiled(fake(f))(3.0) for f in FACTORS], "
+            "'compiles': cache.stats.compiles, 'disk_hits': cache.stats.disk_hits}")
+
+
+# ------------------------------------------------------------------------------ the cache
+
+def test_fake_compiles_are_cached_like_real_ones(env, caplog):
+    resolve(2.0)
+    assert cache.stats.compiles >= 1 and sorted(p.suffix for p in cache_folder(env).iterdir()) == [".json", ".lock",
+                                                                                                 ".so"]
+    new_process()
+    hits = cache.stats.disk_hits
+    resolve(2.0)
+    assert cache.stats.disk_hits == hits + 1 and not warnings_of(caplog)
+
+
+@pytest.mark.parametrize("text", ["null", "[]", "42", '"text"', "{", "", '{"spec": []}'])
+def test_malformed_sidecar_is_removed_and_rebuilt(env, caplog, text):
+    resolve(2.0)
+    (sidecar,) = cache_folder(env).glob("*.json")
+    sidecar.write_text(text)
+    new_process()
+    compiles, rejected = cache.stats.compiles, cache.stats.rejected
+    resolve(2.0)
+    assert cache.stats.compiles == compiles + 1 and cache.stats.rejected == rejected + 1
+    assert len(warnings_of(caplog)) == 1 and sidecar.stem in warnings_of(caplog)[0]
+    assert json.loads(sidecar.read_text())["spec"] == repr(fake(2.0))  # rebuilt
+    new_process()
+    hits = cache.stats.disk_hits
+    resolve(2.0)
+    assert cache.stats.disk_hits == hits + 1
+
+
+def test_cached_library_that_is_a_folder_is_not_loaded(env, caplog):
+    resolve(2.0)
+    (library,) = cache_folder(env).glob("*.so")
+    library.unlink()
+    library.mkdir()
+    new_process()
+    compiles = cache.stats.compiles
+    resolve(2.0)
+    assert cache.stats.compiles == compiles + 1 and library.is_file()  # the empty folder removed, rebuilt
+    assert len(warnings_of(caplog)) == 1 and library.name in warnings_of(caplog)[0]
+
+
+def test_lock_path_that_is_a_folder_compiles_in_memory(env, caplog):
+    entry = cache._disk_entry(fake(2.0))
+    entry.lock.mkdir()
+    compiles = cache.stats.compiles
+    resolve(2.0)
+    resolve(2.0)
+    assert cache.stats.compiles == compiles + 1
+    assert len(warnings_of(caplog)) == 1 and str(entry.lock) in warnings_of(caplog)[0]
+    assert not entry.library.exists()
+
+
+_AS_NOBODY = """
+import os
+if os.geteuid() == 0:  # permission bits bind only below root: load what the run needs, then drop it
+    import torch_cute_ops.kernels
+    cache._environment_key(), cache._refuse_while_tracing()
+    os.setgroups([]), os.setgid(%d), os.setuid(%d)
+""" % (NOBODY, NOBODY)
+
+
+def test_unwritable_cache_folder_loads_what_it_has_and_compiles_the_rest_in_memory(tmp_path):
+    base = Path(tempfile.mkdtemp(prefix="tco-unwritable-"))  # a folder that nobody can reach too
+    try:
+        base.chmod(0o755)
+        if os.geteuid() == 0:
+            os.chown(base, NOBODY, NOBODY)
+        env = child_env(tmp_path, base / "cache", FAKE_COMPILE_LOG="", TORCH_CUTE_OPS_AOT_DIR=str(base / "aot"))
+        stored = run_child(_AS_NOBODY + "FACTORS = [2.0]\n" + _RESOLVE, env)
+        assert stored["values"] == [6.0] and stored["compiles"] == 1 and not stored["warned"]
+        (folder,) = (base / "cache").glob("v*")
+        folder.chmod(0o500)  # existing, readable, not writable
+        report = run_child(_AS_NOBODY + "FACTORS = [2.0, 3.0, 4.0]\n" + _RESOLVE, env)
+        assert report["values"] == [6.0, 9.0, 12.0]
+        assert report["disk_hits"] == 1 and report["compiles"] == 2
+        assert len(report["warned"]) == 1 and "in memory" in report["warned"][0], report["warned"]
+        assert len(list(folder.glob("*.so"))) == 1
+    finally:
+        for folder in (base / "cache").glob("v*"):
+            folder.chmod(0o700)
+        shutil.rmtree(base)
+
+
+def test_default_cache_folder_is_made_with_its_parents(env, monkeypatch, caplog):
+    monkeypatch.delenv("TORCH_CUTE_OPS_CACHE_DIR")
+    home = env / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    resolve(2.0)
+    root = home / ".cache" / "torch_cute_ops"
+    assert len(list(root.glob("v*/*.so"))) == 1 and not warnings_of(caplog)
+    assert root.stat().st_mode & 0o777 == 0o700
+
+
+def test_unusable_cache_folder_is_reported_once(env, monkeypatch, caplog):
+    blocker = env / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TORCH_CUTE_OPS_CACHE_DIR", str(blocker / "cache"))
+    for factor in (2.0, 3.0, 4.0):
+        resolve(factor)
+    assert len(warnings_of(caplog)) == 1 and str(blocker) in warnings_of(caplog)[0]
+
+
+def _fail_opens(monkeypatch, path_ends: str, code: int) -> None:
+    """``open``/``os.open`` of a path ending in ``path_ends`` fails with ``code``."""
+    real_open, real_os_open = open, os.open
+
+    def check(path):
+        if str(path).endswith(path_ends):
+            raise OSError(code, os.strerror(code), str(path))
+
+    def fake_open(path, *args, **kwargs):
+        check(path)
+        return real_open(path, *args, **kwargs)
+
+    def fake_os_open(path, *args, **kwargs):
+        check(path)
+        return real_os_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    monkeypatch.setattr(os, "open", fake_os_open)
+
+
+@pytest.mark.parametrize("stage", ["lock", "export", "link", "sidecar"])
+def test_full_disk_runs_from_the_in_memory_compile(env, monkeypatch, caplog, stage):
+    resolve(1.0)  # makes the cache folder while the disk has room
+    if stage == "lock":
+        _fail_opens(monkeypatch, ".lock", errno.ENOSPC)
+    elif stage == "sidecar":
+        real_write_text = pathlib.Path.write_text
+
+        def full_disk(self, *args, **kwargs):
+            if self.name.endswith(".tmp.json"):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+            return real_write_text(self, *args, **kwargs)
+
+        monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+    else:
+        fake_kernels.faults[stage] = "enospc"
+    compiles = cache.stats.compiles
+    for factor in (2.0, 3.0, 4.0):
+        resolve(factor)
+    assert cache.stats.compiles == compiles + 3
+    assert len(warnings_of(caplog)) == 1, warnings_of(caplog)
+    folder = cache_folder(env)
+    assert len(list(folder.glob("*.so"))) == 1 and not leftovers(folder)
+
+
+# ------------------------------------------------------------------------ locks and kills
+
+def test_lock_held_by_a_stopped_process_is_waited_on_for_a_bounded_time(env, monkeypatch, caplog):
+    holder = start_child("cache.get_compiled(fake(2.0))", child_env(env, FAKE_FAULT="compile:stop"))
+    waiter = None
+    try:
+        _, status = os.waitpid(holder.pid, os.WUNTRACED)  # returns once it stopped, lock held
+        assert os.WIFSTOPPED(status), holder.stderr.read()
+        monkeypatch.setenv("TORCH_CUTE_OPS_LOCK_TIMEOUT", "1")
+        results = []
+        waiter = threading.Thread(target=lambda: results.append(resolve(2.0)), daemon=True)
+        start = time.monotonic()
+        waiter.start()
+        waiter.join(timeout=20)
+        assert results, "the waiter hangs on the stopped holder's lock"
+        assert time.monotonic() - start < 10
+    finally:
+        holder.kill()
+        holder.communicate()
+        if waiter is not None:
+            waiter.join()
+    (warning,) = warnings_of(caplog)
+    lock = cache._disk_entry(fake(2.0)).lock
+    assert str(lock) in warning and f"pid {holder.pid}" in warning, warning
+    assert not lock.with_name(lock.name[:-5] + ".so").exists()  # the waiter compiled in memory
+    new_process()
+    resolve(2.0)  # the holder is gone: the lock is free again
+    assert len(list(cache_folder(env).glob("*.so"))) == 1
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan"])
+def test_bad_lock_timeout_is_said_once_and_the_default_used(env, monkeypatch, caplog, value):
+    monkeypatch.setenv("TORCH_CUTE_OPS_LOCK_TIMEOUT", value)
+    assert cache.lock_timeout() == cache.LOCK_TIMEOUT_S == cache.lock_timeout()
+    (warning,) = warnings_of(caplog)
+    assert "TORCH_CUTE_OPS_LOCK_TIMEOUT" in warning and repr(value) in warning
+
+
+@pytest.mark.parametrize("stage", ["export", "link"])
+def test_process_killed_mid_store_leaves_nothing_behind(env, caplog, stage):
+    killed = start_child("cache.get_compiled(fake(2.0))", child_env(env, FAKE_FAULT=f"{stage}:kill"))
+    killed.communicate(timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    folder = cache_folder(env)
+    assert leftovers(folder)  # what the killed store left
+    compiles = cache.stats.compiles
+    resolve(2.0)  # the next start sweeps and rebuilds
+    assert cache.stats.compiles == compiles + 1 and not leftovers(folder)
+    assert sorted(p.suffix for p in folder.iterdir()) == [".json", ".lock", ".so"]
+    new_process()
+    hits = cache.stats.disk_hits
+    resolve(2.0)
+    assert cache.stats.disk_hits == hits + 1 and not warnings_of(caplog)
+
+
+def test_sweep_keeps_the_files_of_a_store_in_progress(env):
+    import fcntl
+
+    resolve(1.0)
+    entry = cache._disk_entry(fake(2.0))
+    busy = entry.library.with_name(f"{entry.library.name[:-3]}.{os.getpid() + 1}.tmp.o")
+    with open(entry.lock, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as a process storing this entry would
+        busy.write_text("half")
+        new_process()
+        resolve(3.0)  # a new start sweeps
+        assert busy.exists()
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    new_process()
+    resolve(3.0)
+    assert not busy.exists()
+
+
+def test_concurrent_cold_start_compiles_each_variant_once(env):
+    """8 processes x 4 threads resolve the same 4 variants at once on an empty cache."""
+    out = env / "reports"
+    out.mkdir()
+    factors = [1.0, 2.0, 3.0, 4.0]
+    launcher = start_child(f"fake_kernels.stress(8, 4, {factors}, {str(out)!r})",
+                           child_env(env, FAKE_COMPILE_SECONDS="0.1"))
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0, err[-3000:]
+    reports = [json.loads(p.read_text()) for p in out.iterdir()]
+    assert len(reports) == 8 and not [e for r in reports for e in r["errors"]]
+    assert all(sorted(r["seen"]) == sorted([[f, 3.0 * f] for f in factors] * 4) for r in reports)
+    compiled = Counter(line.split()[1] for line in (env / "compiles.log").read_text().splitlines())
+    assert compiled == Counter({fake(f).digest: 1 for f in factors})
+    assert sum(r["disk_hits"] for r in reports) == 8 * 4 - 4
+    assert not leftovers(cache_folder(env))
 
 
 # ---------------------------------------------------------------------- prebuilt manifests
