@@ -301,6 +301,21 @@ def test_lock_held_by_a_stopped_process_is_waited_on_for_a_bounded_time(env, mon
     assert len(list(cache_folder(env).glob("*.so"))) == 1
 
 
+def test_a_long_wait_is_said_once_with_the_holder(env, monkeypatch, caplog):
+    monkeypatch.setattr(cache, "LOCK_NOTICE_S", 0.05)
+    monkeypatch.setenv("TORCH_CUTE_OPS_LOCK_TIMEOUT", "0.5")
+    entry = cache._disk_entry(fake(2.0))
+    held = cache.acquire_lock(entry.lock, timeout=0)  # as another compile of this variant would
+    try:
+        resolve(2.0)
+    finally:
+        cache.release_lock(held)
+    waiting, gave_up = warnings_of(caplog)
+    assert waiting.startswith(f"torch_cute_ops: waiting for kernel cache lock {entry.lock}, held by pid {os.getpid()}")
+    assert "still held by" in gave_up and "compiling this kernel in memory" in gave_up
+    assert not entry.library.exists()
+
+
 @pytest.mark.parametrize("value", ["soon", "-1", "nan"])
 def test_bad_lock_timeout_is_said_once_and_the_default_used(env, monkeypatch, caplog, value):
     monkeypatch.setenv("TORCH_CUTE_OPS_LOCK_TIMEOUT", value)
