@@ -272,20 +272,17 @@ def functional_sdpa(q, k, v, causal):
 
 def _kernel_sources(arch: str) -> list[tuple[str, str]]:
     """Where kernels come from in a new process: prebuilt libraries, then the on-disk cache."""
-    import json
-
     from .runtime import cache
 
     rows = []
     for folder in cache.aot_dirs():
-        manifest_path = folder / arch / "manifest.json"
-        if not manifest_path.is_file():
+        found = cache.check_prebuilt(folder / arch / "manifest.json")  # what get_compiled would make of it
+        if found is None:
             rows.append((f"prebuilt ({arch})", f"none in {folder}"))
-            continue
-        manifest = json.loads(manifest_path.read_text())
-        why = cache.manifest_mismatch(manifest)
-        state = f"not used: {why}" if why else "used"
-        rows.append((f"prebuilt ({arch})", f"{len(manifest['variants'])} variants in {folder} ({state})"))
+        elif isinstance(found, str):
+            rows.append((f"prebuilt ({arch})", f"in {folder}, not used: {found}"))
+        else:
+            rows.append((f"prebuilt ({arch})", f"{len(found.symbols)} variants in {folder} (used)"))
     root = cache.cache_dir()
     libraries = len(list(root.glob("v*/*.so"))) if root is not None and root.is_dir() else 0
     rows.append(("on-disk cache", "off" if root is None else f"{root} ({libraries} kernel libraries)"))

@@ -5,7 +5,9 @@ needed), exports each with a symbol named by its spec digest, links them into
 ``DIR/<arch>/libtorch_cute_ops_<arch>.so`` against the DSL's runtime library and TVM-FFI, and
 writes ``DIR/<arch>/manifest.json``: the variants with their symbols, and what the library was
 built from (package version, kernel-source fingerprint, DSL and TVM-FFI versions), which
-:mod:`.cache` checks before it loads anything from it.
+:mod:`.cache` checks before it loads anything from it. Both files are written writable by
+their owner alone (the loader refuses a manifest or library that its group or others may
+write), the library under a plain name beside the manifest (the only place the loader looks).
 """
 
 from __future__ import annotations
@@ -56,11 +58,15 @@ def build_library(arch: str, out_dir: Path, specs: list[KernelSpec],
                 on_variant(spec, seconds, dump)
         staged = library.with_suffix(".so.tmp")
         cache.link_library(objects, staged)
+        staged.chmod(0o755)  # the loader refuses files others may write, whatever the umask
         staged.replace(library)
     manifest = {"format": cache.MANIFEST_FORMAT, "arch": arch, "library": library.name,
                 "sha256": cache._sha256(library), **cache.toolchain(), "variants": variants}
     path = folder / "manifest.json"
-    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    staged = path.with_suffix(".json.tmp")
+    staged.write_text(json.dumps(manifest, indent=1) + "\n")
+    staged.chmod(0o644)
+    staged.replace(path)
     return path
 
 
