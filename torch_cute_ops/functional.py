@@ -12,6 +12,7 @@ from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
 from .ops import scaled_gemm as _scaled_gemm
 from .ops import bounds
+from .ops import sinks as _sinks
 from .ops.direct import dispatcher_free
 
 
@@ -63,7 +64,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     return_lse: bool = False, *, key_start: torch.Tensor | None = None,
-                    key_end: torch.Tensor | None = None, deterministic: bool = False):
+                    key_end: torch.Tensor | None = None, deterministic: bool = False,
+                    learnable_sink: torch.Tensor | None = None):
     """Attention over (batch, seqlen, heads, head_dim) tensors, FlashAttention's API.
 
     GQA/MQA when k and v have fewer heads than q. ``causal`` is aligned bottom-right when
@@ -79,6 +81,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     ``deterministic=True`` makes the backward's dQ bitwise reproducible run to run (its key
     blocks added in a fixed order, at some cost; dK and dV always are), as
     ``torch.use_deterministic_algorithms(True)`` does for every call.
+
+    ``learnable_sink`` (shape (heads,), FlashAttention-4's name, gpt-oss's ``sinks``): a logit per
+    query head added to every row's softmax denominator (a key that attends to nothing);
+    differentiable, and the returned lse includes it.
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -86,7 +92,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     args = (q, k, v, float(softmax_scale), bool(causal), left, right, float(softcap))
     if key_start is not None or key_end is not None:
         args += (key_start, key_end)
-    if dispatcher_free(q, k, v, key_start, key_end):
+    if learnable_sink is not None:
+        _sinks.validate_sink(learnable_sink, q, 2)
+        out, lse = _sinks.SinkAttention.apply(q, k, v, learnable_sink, "dense", args[3:], bool(deterministic))
+    elif dispatcher_free(q, k, v, key_start, key_end):
         out, lse = _attention.flash_attn_fwd_impl(*args)
     else:
         out, lse = torch.ops.cute.flash_attn_fwd(*args, deterministic=bool(deterministic))
@@ -97,7 +106,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                            softmax_scale: float | None = None, causal: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False,
-                           *, deterministic: bool = False):
+                           *, deterministic: bool = False, learnable_sink: torch.Tensor | None = None):
     """Attention over packed sequences, FlashAttention's varlen API.
 
     q is (total_q, heads, head_dim), k and v (total_k, kv_heads, head_dim); sequence ``b`` owns
@@ -105,14 +114,18 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     attended on its own: ``causal`` and ``window_size`` align per sequence exactly as in
     :func:`flash_attn_func`, lengths may be 0 and may differ between q and k. ``max_seqlen_q`` /
     ``max_seqlen_k`` are at least the longest lengths. With ``return_lse`` also returns the
-    float32 log-sum-exp, shape (heads, total_q). ``deterministic`` as in :func:`flash_attn_func`.
+    float32 log-sum-exp, shape (heads, total_q). ``deterministic`` and ``learnable_sink`` as in
+    :func:`flash_attn_func`.
     """
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     left, right = _window_bounds(window_size)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), bool(causal),
             left, right, float(softcap))
-    if dispatcher_free(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    if learnable_sink is not None:
+        _sinks.validate_sink(learnable_sink, q, 1)
+        out, lse = _sinks.SinkAttention.apply(q, k, v, learnable_sink, "packed", args[3:], bool(deterministic))
+    elif dispatcher_free(q, k, v, cu_seqlens_q, cu_seqlens_k):
         out, lse = _attention_varlen.flash_attn_varlen_fwd_impl(*args)
     else:
         out, lse = torch.ops.cute.flash_attn_varlen_fwd(*args, deterministic=bool(deterministic))
@@ -125,7 +138,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             cache_batch_idx: torch.Tensor | None = None,
                             page_table: torch.Tensor | None = None, softmax_scale: float | None = None,
                             causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                            return_lse: bool = False, cache_leftpad: torch.Tensor | None = None):
+                            return_lse: bool = False, cache_leftpad: torch.Tensor | None = None,
+                            learnable_sink: torch.Tensor | None = None):
     """Attention against a KV cache, FlashAttention's API (inference: not differentiable).
 
     q is (batch, seqlen_q, heads, head_dim). The cache is (batch_cache, capacity, kv_heads,
@@ -139,7 +153,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``cache_leftpad`` (int32 (batch,), contiguous caches): entry b's keys start at that position
     (a left-padded batch), not 0. A contiguous cache may have any strides (a transposed
     (batch, kv_heads, capacity, head_dim) cache, as transformers keeps it, runs on the kernels).
+    ``learnable_sink`` as in :func:`flash_attn_func` (the lse returned includes it).
     """
+    if learnable_sink is not None:
+        _sinks.validate_sink(learnable_sink, q, 2)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     left, right = _window_bounds(window_size)
@@ -151,6 +168,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out, lse = _attention_kvcache.flash_attn_kvcache_impl(*args)
     else:
         out, lse = torch.ops.cute.flash_attn_kvcache(*args)
+    if learnable_sink is not None:
+        out, lse = _sinks.merge(out, lse, learnable_sink)
     return (out, lse) if return_lse else out
 
 

@@ -203,31 +203,39 @@ def _window(sliding_window, causal: bool) -> tuple[int, int]:
     return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
-def _masked_fallback(query, key, value, padding_mask, scaling, causal, window, softcap, dropout):
-    """PyTorch's masked attention on (B, H, S, D) inputs: the padding mask, causal (bottom-right)
-    and the window as one boolean mask; softcap in plain torch when present."""
+def _masked_fallback(query, key, value, attention_mask, scaling, causal, window, softcap, dropout, sink=None):
+    """PyTorch's masked attention on (B, H, S, D) inputs: a 2-D padding mask with causal
+    (bottom-right) and the window as one boolean mask, or a 4-D mask as given; softcap and sinks
+    (a score column that attends to nothing) in plain torch when present."""
     batch, heads, s_q, _ = query.shape
     s_k = key.shape[-2]
-    i = torch.arange(s_q, device=query.device)[:, None] + (s_k - s_q)
-    j = torch.arange(s_k, device=query.device)[None, :]
-    visible = torch.ones(s_q, s_k, dtype=torch.bool, device=query.device)
-    left, right = window
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    if right >= 0:
-        visible &= j <= i + right
-    if left >= 0:
-        visible &= j >= i - left
-    mask = visible[None, None]
-    if padding_mask is not None:
-        mask = mask & padding_mask[:, None, None, -s_k:].bool()
+    if attention_mask is not None and attention_mask.dim() == 4:  # a custom mask: honoured as given
+        mask = attention_mask[..., :s_k]
+    else:
+        i = torch.arange(s_q, device=query.device)[:, None] + (s_k - s_q)
+        j = torch.arange(s_k, device=query.device)[None, :]
+        visible = torch.ones(s_q, s_k, dtype=torch.bool, device=query.device)
+        left, right = window
+        if causal:
+            right = 0 if right < 0 else min(right, 0)
+        if right >= 0:
+            visible &= j <= i + right
+        if left >= 0:
+            visible &= j >= i - left
+        mask = visible[None, None]
+        if attention_mask is not None:
+            mask = mask & attention_mask[:, None, None, -s_k:].bool()
     groups = heads // key.shape[1]
-    if softcap:
+    if softcap or sink is not None:
         k = key.repeat_interleave(groups, dim=1)
         v = value.repeat_interleave(groups, dim=1)
         scores = torch.matmul(query, k.transpose(-1, -2)).float() * scaling
-        scores = softcap * torch.tanh(scores / softcap)
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        if sink is not None:
+            scores = torch.cat([scores, sink.float().view(1, -1, 1, 1).expand(batch, heads, s_q, 1)], -1)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)[..., :s_k]
         probs = F.dropout(probs, p=dropout, training=dropout > 0)
         return torch.matmul(probs.to(v.dtype), v)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
@@ -235,9 +243,9 @@ def _masked_fallback(query, key, value, padding_mask, scaling, causal, window, s
 
 
 def cute_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                           is_causal=None, sliding_window=None, softcap=None, **kwargs):
+                           is_causal=None, sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """transformers' attention-function contract: query (B, H_q, S_q, D), key/value (B, H_kv, S_k, D)
-    in; (attn_output (B, S_q, H_q, D), None) out."""
+    in; (attn_output (B, S_q, H_q, D), None) out. ``s_aux``: gpt-oss's per-head sinks."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = _window(sliding_window, causal)
@@ -250,31 +258,24 @@ def cute_attention_forward(module, query, key, value, attention_mask, dropout: f
     elif kwargs.get("output_attentions"):
         reason = "output_attentions"
     elif attention_mask is not None and attention_mask.dim() != 2:
-        if softcap:
-            reason = "a materialized 4-D mask (a padding mask with holes, or a custom mask) with softcap"
+        if softcap or s_aux is not None:
+            reason = "a materialized 4-D mask (a padding mask with holes, or a custom mask) with softcap or sinks"
         else:  # it holds the causal band and the window already
             out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask[..., :key.shape[-2]],
                                                scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
             return out.transpose(1, 2), None
     if reason is None:
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        common = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap, learnable_sink=s_aux)
         if attention_mask is None:
-            return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window,
-                                   softcap=softcap), None
+            return flash_attn_func(q, k, v, **common), None
         start, end = shared_key_range(attention_mask, key.shape[-2])  # each row's run of real keys
         if q.shape[1] < k.shape[1] and not (torch.is_grad_enabled() and query.requires_grad):
             # against a cache: queries end at the row's last real key, wherever the slots end
-            return flash_attn_with_kvcache(q, k, v, cache_seqlens=end, cache_leftpad=start, softmax_scale=scaling,
-                                           causal=causal, window_size=window, softcap=softcap), None
-        return flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap,
-                               key_start=start, key_end=end), None
+            return flash_attn_with_kvcache(q, k, v, cache_seqlens=end, cache_leftpad=start, **common), None
+        return flash_attn_func(q, k, v, key_start=start, key_end=end, **common), None
     fallback.note("transformers attention", reason)
-    if attention_mask is not None and attention_mask.dim() == 4:  # a custom mask: honour it as given
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask[..., :key.shape[-2]],
-                                             dropout_p=dropout, scale=scaling,
-                                             enable_gqa=query.shape[1] != key.shape[1])
-    else:
-        out = _masked_fallback(query, key, value, attention_mask, scaling, causal, window, softcap, dropout)
+    out = _masked_fallback(query, key, value, attention_mask, scaling, causal, window, softcap, dropout, s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
