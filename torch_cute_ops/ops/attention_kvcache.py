@@ -38,7 +38,7 @@ _LAYOUT = "(batch, seqlen, heads, head_dim)"
 
 def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad=None) -> None:
     checks.require_rank("q", q, (4,), _LAYOUT)
-    validate_qkv_common(q, k_cache, v_cache, _LAYOUT)
+    validate_qkv_common(q, k_cache, v_cache, _LAYOUT, ("k_cache", "v_cache"))
     batch = q.shape[0]
     if (k is None) != (v is None):
         raise ValueError("k, v: give both (new keys to append) or neither")
@@ -49,6 +49,10 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_ta
             if t.dim() != 4 or tuple(t.shape) != expected:
                 raise ValueError(f"{name}: expected shape {expected} (batch, new tokens, kv heads, head_dim), "
                                  f"got {tuple(t.shape)}")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):  # the new keys are written in place
+            if t.numel() and any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+                raise ValueError(f"{name}: an expanded view (stride 0) cannot take new keys in place, got "
+                                 f"strides {t.stride()}")
     named = [("cache_seqlens", cache_seqlens, (batch,)), ("cache_batch_idx", cache_batch_idx, (batch,)),
              ("cache_leftpad", cache_leftpad, (batch,))]
     if page_table is not None:
@@ -76,6 +80,8 @@ _checked: dict[tuple, tuple] = {}
 def _check_values(q, k_cache, k, cache_seqlens, cache_batch_idx, page_table, cache_leftpad=None) -> None:
     """The index tensors' contents against the cache (eager only: one read-back per version)."""
     tensors = [t for t in (cache_seqlens, cache_batch_idx, page_table, cache_leftpad) if t is not None]
+    if cache_seqlens.numel() == 0:
+        return  # an empty batch: no values (and no min or max to take)
     if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors) or (
             q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
@@ -93,6 +99,10 @@ def _check_values(q, k_cache, k, cache_seqlens, cache_batch_idx, page_table, cac
     if cache_leftpad is not None:
         bounds.append((cache_leftpad.min(), (cache_leftpad - cache_seqlens).max() - new))
     values = torch.stack([torch.stack(pair) for pair in bounds]).tolist()
+    capacity = _capacity(k_cache, page_table)
+    if values[0][0] < 0 or values[0][1] > capacity:
+        raise ValueError(f"cache_seqlens: with {new} new tokens the lengths reach {values[0][1]}, past the "
+                         f"cache's capacity of {capacity} per entry (or are negative)")
     if cache_leftpad is not None:
         low, past_end = values.pop()
         if low < 0:
@@ -100,10 +110,6 @@ def _check_values(q, k_cache, k, cache_seqlens, cache_batch_idx, page_table, cac
         if past_end > 0:
             raise ValueError(f"cache_leftpad: an entry's first key lies {past_end} keys past its length "
                              f"(cache_seqlens plus {new} new tokens)")
-    capacity = _capacity(k_cache, page_table)
-    if values[0][0] < 0 or values[0][1] > capacity:
-        raise ValueError(f"cache_seqlens: with {new} new tokens the lengths reach {values[0][1]}, past the "
-                         f"cache's capacity of {capacity} per entry (or are negative)")
     limit = k_cache.shape[0]
     for name, (low, high) in zip([n for n, t in (("cache_batch_idx", cache_batch_idx), ("page_table", page_table))
                                   if t is not None and t.numel()], values[1:]):
@@ -144,6 +150,8 @@ def _reference(q, k_cache, v_cache, key_lengths, page_table, softmax_scale, caus
                                             causal, window_left, window_right, softcap)
         outs.append(out)
         lses.append(lse)
+    if not outs:  # an empty batch
+        return _outputs_like(q)
     return torch.cat(outs), torch.cat(lses)
 
 
@@ -209,6 +217,9 @@ def _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_left
 
 def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                             causal, window_left=None, window_right=None, softcap=0.0, cache_leftpad=None):
+    if q.dim() != 4 or k_cache.dim() != 4 or (page_table is not None and page_table.dim() != 2):
+        # the named error, before the sizes below are read
+        _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
     capacity = _capacity(k_cache, page_table)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], capacity)
     key = tuple((t.shape, t.stride(), t.dtype, t.device) if t is not None else None
