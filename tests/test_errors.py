@@ -171,7 +171,7 @@ def test_kvcache_ranks_are_named_errors(q_shape, cache_shape, match, lengths):
 def test_kvcache_int_cache_seqlens_must_fit_int32(length):
     """A Python int length is checked before it becomes an int32 tensor (2**40 overflowed)."""
     q, cache = torch.randn(1, 1, 2, 8), torch.randn(1, 4, 2, 8)
-    with pytest.raises(ValueError, match=r"^cache_seqlens: expected a length >= 0 that fits int32"):
+    with pytest.raises(ValueError, match=r"^cache_seqlens: expected a length"):
         tco.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=length)
 
 
