@@ -27,7 +27,7 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 settings.register_profile(  # no "explain" phase: it traces every line of a failing case's replays (slow)
@@ -45,6 +45,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 def fuzz_settings(examples: int = 40) -> settings:
     """The CI profile with ``examples`` cases (times TORCH_CUTE_OPS_FUZZ_SCALE)."""
     return settings(settings.get_profile("torch-cute-ops-ci"), max_examples=max(1, round(examples * SCALE)))
+
+
+def fuzz_property(examples: int = 40):
+    """A property test over cases drawn from ``data``: hypothesis's ``given`` under
+    :func:`fuzz_settings`, each case counted in :data:`TALLY`."""
+    def wrap(test):
+        return fuzz_settings(examples)(given(data=st.data())(tallied(test)))
+    return wrap
 
 
 # ------------------------------------------------------------------------------------ tally

@@ -10,10 +10,9 @@ import torch.nn.functional as F
 
 from fuzz_support import (DEVICES, FLOAT_DTYPES, INVALID_SCALES, INVALID_WINDOWS, Case, assert_close_norm,
                           assert_matches, attention64, attention_grad_atol, attention_options, attention_tolerance,
-                          expect, fuzz_settings, generator, grad_tolerance, head_dims, index_tensor, layouts,
+                          expect, fuzz_property, generator, grad_tolerance, head_dims, index_tensor, layouts,
                           lse_tolerance, make, masked_softmax64, max_score, op_bound, scale_of, seeds, seqlens,
-                          strict_mode, tallied)
-from hypothesis import given
+                          strict_mode)
 from hypothesis import strategies as st
 
 import torch_cute_ops as tco
@@ -130,13 +129,12 @@ def check_grads(name, kw, grads, dout, public: bool, device):
     ref.backward(dout.to("cpu", torch.float64))
     atol = attention_grad_atol(kw["q"], kw["k"], kw["v"], dout, scale_of(kw, kw["q"].shape[-1]))
     for label, ours, theirs in zip("qkv", grads, leaves):
-        assert_close_norm(f"{name} d{label}", ours, theirs.grad, grad_tolerance(kw["q"].dtype, device, kw["softcap"]), atol)
+        assert_close_norm(f"{name} d{label}", ours, theirs.grad, grad_tolerance(kw["q"].dtype, device, kw["softcap"]),
+                          atol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@fuzz_settings(60)
-@given(data=st.data())
-@tallied
+@fuzz_property(60)
 def test_flash_attn_func(device, data):
     case = data.draw(dense_cases(device, public=True))
     kw = case.kwargs
@@ -164,9 +162,7 @@ BWD_MUTATIONS = ["lse shape", "lse dtype", "dout shape", "out dtype"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@fuzz_settings(60)
-@given(data=st.data())
-@tallied
+@fuzz_property(60)
 def test_cute_flash_attn_fwd_bwd(device, data):
     """The ops called directly: any window bounds, PyTorch's attn_mask; then the backward op on
     the forward's out and lse (or a mutated one of them)."""
@@ -294,9 +290,7 @@ def sdpa64(query, key, value, attn_mask, is_causal, scale, enable_gqa):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@fuzz_settings(60)
-@given(data=st.data())
-@tallied
+@fuzz_property(60)
 def test_scaled_dot_product_attention(device, data):
     """Strict mode or not, an invalid input gets its own named error (never a FallbackError),
     and PyTorch rejects it too; a valid one matches the float64 reference (or, in strict mode,

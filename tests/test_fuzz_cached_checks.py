@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fuzz_support import DEVICES, FLOAT_DTYPES, expect, fuzz_settings, generator, head_dims, make, seeds, tallied
-from hypothesis import given
+from fuzz_support import DEVICES, FLOAT_DTYPES, expect, fuzz_property, generator, head_dims, make, seeds
 from hypothesis import strategies as st
 
 import torch_cute_ops as tco
@@ -52,9 +51,7 @@ def softcap_calls(device, kind, qkv, draw):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["flash_attn_func", "cute.flash_attn_bwd", "flash_attn_varlen_func",
                                   "flash_attn_with_kvcache"])
-@fuzz_settings(20)
-@given(data=st.data())
-@tallied
+@fuzz_property(20)
 def test_softcap_is_checked_on_a_warm_layout(device, kind, data):
     call = softcap_calls(device, kind, data.draw(dense_qkv(device)), data.draw)
     valid = data.draw(st.sampled_from([5.0, 0.5, 30.0]))
@@ -65,9 +62,7 @@ def test_softcap_is_checked_on_a_warm_layout(device, kind, data):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("public", [True, False], ids=["flash_attn_varlen_func", "cute.flash_attn_varlen_fwd"])
-@fuzz_settings(30)
-@given(data=st.data())
-@tallied
+@fuzz_property(30)
 def test_checked_cu_seqlens_are_rechecked_for_another_packed_length(device, public, data):
     gen = generator(data.draw(seeds()))
     lengths = data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=3))
@@ -112,9 +107,7 @@ def bad_key_range(draw, batch: int, s_k: int):
 # CPU only: a GPU checks index values on the device (a device-side assertion, no host sync)
 @pytest.mark.parametrize("device", ["cpu"])
 @pytest.mark.parametrize("kind", ["flash_attn_func", "cute.flash_attn_fwd", "cute.flash_attn_bwd"])
-@fuzz_settings(30)
-@given(data=st.data())
-@tallied
+@fuzz_property(30)
 def test_key_range_values_are_checked(device, kind, data):
     q, k, v = data.draw(dense_qkv(device))
     starts, ends, how = data.draw(bad_key_range(q.shape[0], k.shape[1]))

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from fuzz_support import (ACTIVATIONS64, DEVICES, FLOAT_DTYPES, Case, assert_close_norm, assert_matches, expect,
-                          fuzz_settings, generator, grad_tolerance, layouts, make, seeds, tallied, unit_roundoff)
-from hypothesis import given
+                          fuzz_property, generator, grad_tolerance, layouts, make, seeds, unit_roundoff)
 from hypothesis import strategies as st
 
 import torch_cute_ops as tco
@@ -116,9 +115,7 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("direct", [False, True], ids=["gemm", "cute.gemm"])
-@fuzz_settings(60)
-@given(data=st.data())
-@tallied
+@fuzz_property(60)
 def test_gemm(device, direct, data):
     case, grad = data.draw(gemm_cases(device, direct))
     kw = case.kwargs
@@ -189,9 +186,7 @@ def linear_cases(draw, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@fuzz_settings(40)
-@given(data=st.data())
-@tallied
+@fuzz_property(40)
 def test_linear(device, data):
     case = data.draw(linear_cases(device))
     kw = case.kwargs
@@ -294,9 +289,7 @@ def dequantize64(t, scale, mode, operand):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("direct", [False, True], ids=["scaled_mm", "cute.scaled_gemm"])
-@fuzz_settings(50)
-@given(data=st.data())
-@tallied
+@fuzz_property(50)
 def test_scaled_mm(device, direct, data):
     case, mode = data.draw(scaled_mm_cases(device))
     kw = case.kwargs
@@ -364,9 +357,7 @@ def scale_groups(x, kind, operand):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@fuzz_settings(50)
-@given(data=st.data())
-@tallied
+@fuzz_property(50)
 def test_fp8_quantizers(device, data):
     call, case = data.draw(quantizer_cases(device))
     result = expect(call, case.error, case.note)
@@ -462,9 +453,7 @@ def fp8_linear_cases(draw, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@fuzz_settings(40)
-@given(data=st.data())
-@tallied
+@fuzz_property(40)
 def test_fp8_linear(device, data):
     """Forward and both gradients within the FP8 rounding of each GEMM's operands (e4m3 input and
     weight, e5m2 output gradient, each scaled along the dim its GEMM contracts)."""

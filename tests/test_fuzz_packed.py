@@ -9,9 +9,8 @@ import torch
 
 from fuzz_support import (DEVICES, FLOAT_DTYPES, INVALID_SCALES, INVALID_WINDOWS, Case, assert_close_norm,
                           assert_matches, attention64, attention_grad_atol, attention_options, attention_tolerance,
-                          expect, fuzz_settings, generator, grad_tolerance, head_dims, index_tensor, layouts,
-                          lse_tolerance, make, max_score, op_bound, scale_of, seeds, seqlens, tallied)
-from hypothesis import given
+                          expect, fuzz_property, generator, grad_tolerance, head_dims, index_tensor, layouts,
+                          lse_tolerance, make, max_score, op_bound, scale_of, seeds, seqlens)
 from hypothesis import strategies as st
 
 import torch_cute_ops as tco
@@ -131,14 +130,13 @@ def varlen_grads_match(name, kw, grads, dout, public, device):
     atol = attention_grad_atol(kw["q"], kw["k"], kw["v"], dout, scale_of(kw, kw["q"].shape[-1]))
     for label, ours, theirs in zip("qkv", grads, leaves):
         expected = theirs.grad if theirs.grad is not None else torch.zeros_like(theirs)
-        assert_close_norm(f"{name} d{label}", ours, expected, grad_tolerance(kw["q"].dtype, device, kw["softcap"]), atol)
+        assert_close_norm(f"{name} d{label}", ours, expected, grad_tolerance(kw["q"].dtype, device, kw["softcap"]),
+                          atol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("public", [True, False], ids=["flash_attn_varlen_func", "cute.flash_attn_varlen"])
-@fuzz_settings(50)
-@given(data=st.data())
-@tallied
+@fuzz_property(50)
 def test_varlen(device, public, data):
     """Public: the forward and (sometimes) autograd's backward. The ops: the forward, then the
     backward op on its out and lse."""
@@ -339,9 +337,7 @@ def kvcache_reference(kw, lengths):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("public", [True, False], ids=["flash_attn_with_kvcache", "cute.flash_attn_kvcache"])
-@fuzz_settings(50)
-@given(data=st.data())
-@tallied
+@fuzz_property(50)
 def test_kvcache(device, public, data):
     """The appended keys land in the cache (and nothing else changes) and the attention matches."""
     case, lengths = data.draw(kvcache_cases(device, public))
