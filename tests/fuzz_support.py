@@ -9,8 +9,10 @@ TypeError or NotImplementedError whose message starts with the offending argumen
 
 Example counts come from the ``torch-cute-ops-ci`` hypothesis profile (derandomized, no example
 database: CI runs the same cases every time), scaled by ``TORCH_CUTE_OPS_FUZZ_SCALE`` (e.g. 5 for
-a longer GPU run, 0.2 under compute-sanitizer). :data:`TALLY` counts the cases tried and failed;
-tests/conftest.py prints it at the end of a pytest run.
+a longer GPU run, 0.2 under compute-sanitizer). ``TORCH_CUTE_OPS_FUZZ_EXPLORE=1`` draws fresh
+cases instead (``pytest --hypothesis-seed=N`` repeats a run; a failure prints its reproduce blob).
+:data:`TALLY` counts the cases tried and failed; tests/conftest.py prints it at the end of a
+pytest run.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+EXPLORE = os.environ.get("TORCH_CUTE_OPS_FUZZ_EXPLORE", "0") == "1"
 settings.register_profile(  # no "explain" phase: it traces every line of a failing case's replays (slow)
-    "torch-cute-ops-ci", max_examples=40, deadline=None, derandomize=True, database=None, print_blob=False,
+    "torch-cute-ops-ci", max_examples=40, deadline=None, derandomize=not EXPLORE, database=None, print_blob=EXPLORE,
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 SCALE = float(os.environ.get("TORCH_CUTE_OPS_FUZZ_SCALE", "1"))
@@ -169,6 +172,14 @@ def unit_roundoff(dtype: torch.dtype) -> float:
             torch.bfloat16: 2.0**-8}[dtype]
 
 
+def overflowed(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float64 reference as rounding to ``dtype`` leaves it: infinite past the largest finite
+    value plus half its ulp (a result fp16 cannot hold is inf, not an error)."""
+    info = torch.finfo(dtype)
+    limit = info.max + 2.0 ** (math.floor(math.log2(info.max)) + math.log2(info.eps) - 1)
+    return torch.where(ref.abs() >= limit, ref.sign() * math.inf, ref)
+
+
 def assert_matches(name: str, ours: torch.Tensor, ref: torch.Tensor, atol, rtol: float) -> None:
     """Elementwise ``|ours - ref| <= atol + rtol |ref|`` against a float64 reference (atol a number
     or a tensor); infinities must match exactly and NaN never passes."""
@@ -216,6 +227,12 @@ def layouts(draw, ndim: int, expanded: bool = True):
     if kind == "expanded":
         return kind, draw(st.integers(0, ndim - 1))
     return ("contiguous",)
+
+
+def differentiable(*tensors) -> bool:
+    """Whether the tensors can require grad (floating point), so an invalid call can take the
+    dispatcher's autograd path too."""
+    return all(t is None or t.is_floating_point() for t in tensors)
 
 
 def values(shape, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:

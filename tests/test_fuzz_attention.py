@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from fuzz_support import (DEVICES, FLOAT_DTYPES, INVALID_SCALES, INVALID_WINDOWS, Case, assert_close_norm,
                           assert_matches, attention64, attention_grad_atol, attention_options, attention_tolerance,
-                          expect, fuzz_property, generator, grad_tolerance, head_dims, index_tensor, layouts,
-                          lse_tolerance, make, masked_softmax64, max_score, op_bound, scale_of, seeds, seqlens,
+                          differentiable, expect, fuzz_property, generator, grad_tolerance, head_dims, index_tensor,
+                          layouts, lse_tolerance, make, masked_softmax64, max_score, op_bound, scale_of, seeds, seqlens,
                           strict_mode)
 from hypothesis import strategies as st
 
@@ -94,7 +94,7 @@ def dense_cases(draw, device, public: bool):
         options["softmax_scale"], _ = draw(st.sampled_from(INVALID_SCALES))
         error = ("softmax_scale",)
     elif mutation == "attn_mask shape":
-        mask, error = torch.ones(s_q + 1, s_k, dtype=torch.bool, device=device), ("attn_mask",)
+        mask, error = torch.ones(s_q + 2, s_k, dtype=torch.bool, device=device), ("attn_mask",)
     elif mutation == "attn_mask dtype":
         mask_dtype = draw(st.sampled_from([torch.int32, *[t for t in FLOAT_DTYPES if t != dtype]]))
         mask, error = torch.zeros(s_q, s_k, dtype=mask_dtype, device=device), ("attn_mask",)
@@ -138,8 +138,8 @@ def check_grads(name, kw, grads, dout, public: bool, device):
 def test_flash_attn_func(device, data):
     case = data.draw(dense_cases(device, public=True))
     kw = case.kwargs
-    grad = case.error is None and data.draw(st.booleans())
-    if grad:
+    grad = data.draw(st.booleans()) and differentiable(kw["q"], kw["k"], kw["v"])
+    if grad:  # invalid calls too: through the dispatcher and autograd, not the direct path
         kw.update({name: kw[name].detach().requires_grad_(True) for name in "qkv"})
     window = kw.get("window_size", (kw["left"], kw["right"]))
     deterministic = data.draw(st.booleans())
@@ -239,11 +239,11 @@ def sdpa_cases(draw, device):
         kwargs["dropout_p"] = draw(st.sampled_from([-0.5, 1.5]))
     elif mutation == "gqa" and rank >= 3:
         kwargs["enable_gqa"], k_shape[-3], v_shape[-3], q_shape[-3] = True, 2, 2, 2 * group + 1
-    elif mutation == "batch" and rank == 4:
+    elif mutation == "batch" and rank == 4 and b != 1:  # a batch of 1 broadcasts
         k_shape[0] = v_shape[0] = b + 2
     elif mutation == "mask dtype":
-        mask = torch.zeros(l, s, dtype=draw(st.sampled_from([torch.int32, torch.float16 if dtype == torch.float32
-                                                             else torch.float64])), device=device)
+        not_allowed = [t for t in (torch.float16, torch.bfloat16, torch.float64) if t != dtype]  # nor float32
+        mask = torch.zeros(l, s, dtype=draw(st.sampled_from([torch.int32, *not_allowed])), device=device)
     elif mutation == "mask shape":
         mask = torch.ones(l + 1, s + 2, dtype=torch.bool, device=device)
     elif mutation is not None:
@@ -298,7 +298,7 @@ def test_scaled_dot_product_attention(device, data):
     case, mutation = data.draw(sdpa_cases(device))
     strict = data.draw(st.booleans())
     kw = case.kwargs
-    grad = case.error is None and not strict and data.draw(st.booleans())
+    grad = not strict and data.draw(st.booleans()) and differentiable(kw["query"], kw["key"], kw["value"])
     if grad:
         kw.update({name: kw[name].detach().requires_grad_(True) for name in ("query", "key", "value")})
     fallback.reset()
@@ -311,8 +311,10 @@ def test_scaled_dot_product_attention(device, data):
         return
     if case.error:
         assert not fallback.counts(), f"an invalid input was counted as a fallback ({case.note})"
-        # PyTorch's CPU kernel reads past a shorter value unchecked, and checks nothing of empty tensors
-        if mutation != "value seqlen" and all(kw[n].numel() for n in ("query", "key", "value")):
+        # PyTorch's CPU kernel reads past a shorter value unchecked, its math path takes a negative
+        # dropout_p, and it checks nothing of empty tensors
+        tensors = (kw["query"], kw["key"], kw["value"])
+        if mutation != "value seqlen" and kw["dropout_p"] >= 0 and all(t.numel() for t in tensors):
             with pytest.raises(Exception):
                 F.scaled_dot_product_attention(**kw)
         return

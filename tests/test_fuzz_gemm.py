@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fuzz_support import (ACTIVATIONS64, DEVICES, FLOAT_DTYPES, Case, assert_close_norm, assert_matches, expect,
-                          fuzz_property, generator, grad_tolerance, layouts, make, seeds, unit_roundoff)
+from fuzz_support import (ACTIVATIONS64, DEVICES, FLOAT_DTYPES, Case, assert_close_norm, assert_matches, differentiable,
+                          expect, fuzz_property, generator, grad_tolerance, layouts, make, overflowed, seeds,
+                          unit_roundoff)
 from hypothesis import strategies as st
 
 import torch_cute_ops as tco
@@ -82,7 +83,7 @@ def gemm_cases(draw, device, direct: bool):
     kwargs["b"] = make(b_shape, b_dtype, b_device, gen, draw(layouts(len(b_shape))))
     if with_bias:
         kwargs["bias"] = make(bias_shape, bias_dtype, bias_device, gen, draw(layouts(len(bias_shape))))
-    grad = error is None and draw(st.booleans())
+    grad = draw(st.booleans()) and differentiable(kwargs["a"], kwargs["b"], kwargs["bias"])
     return Case(kwargs, error, f"{mutation or 'valid'} {dtype} a{a_shape} b{b_shape}"), grad
 
 
@@ -119,7 +120,7 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
 def test_gemm(device, direct, data):
     case, grad = data.draw(gemm_cases(device, direct))
     kw = case.kwargs
-    if grad:
+    if grad:  # invalid calls too: through the dispatcher and autograd, not the direct path
         kw.update({name: leaf(kw[name]) for name in ("a", "b", "bias") if kw[name] is not None})
     if direct:
         call = lambda: torch.ops.cute.gemm(kw["a"], kw["b"], kw["bias"], kw["activation"], kw["out_dtype"],
@@ -135,7 +136,7 @@ def test_gemm(device, direct, data):
     ref, pre = gemm64(a.detach(), b.detach(), None if bias is None else bias.detach(), kw["activation"], alpha)
     atol, rtol = matmul_tolerance(a.detach(), b.detach(), alpha, pre, a.dtype, out_dtype, device,
                                   activation=kw["activation"])
-    assert_matches(f"gemm {case.note}", out, ref, atol, rtol)
+    assert_matches(f"gemm {case.note}", out, overflowed(ref, out_dtype), atol, rtol)
     if grad:
         dout = torch.randn(out.shape, dtype=torch.float64, generator=generator(1)).to(out)
         out.backward(dout)
@@ -144,8 +145,14 @@ def test_gemm(device, direct, data):
         ref64, _ = gemm64(leaves64[0], leaves64[1], leaves64[2] if bias is not None else None, kw["activation"],
                           alpha)
         ref64.backward(dout.double())
-        for name, ours, theirs in zip(("a", "b", "bias"), inputs, leaves64):
-            assert_close_norm(f"gemm d{name} {case.note}", ours.grad, theirs.grad, grad_tolerance(a.dtype, device))
+        # the backward rounds the pre-activation's gradient g (|g| <= 1.2 |dout|) to a's dtype: an error
+        # of u |g| in each term, which the sums can leave larger than their (cancelled) result
+        g = 1.2 * dout.double().abs()
+        magnitudes = (abs(alpha) * g @ b.detach().double().abs().mT, abs(alpha) * a.detach().double().abs().mT @ g,
+                      g.sum(dim=tuple(range(g.dim() - 1))))
+        for name, ours, theirs, mag in zip(("a", "b", "bias"), inputs, leaves64, magnitudes):
+            assert_close_norm(f"gemm d{name} {case.note}", ours.grad, theirs.grad, grad_tolerance(a.dtype, device),
+                              4 * unit_roundoff(a.dtype) * mag.norm().item())
 
 
 # ----------------------------------------------------------------------------------------- linear
@@ -196,7 +203,7 @@ def test_linear(device, data):
     x, w, bias = kw["input"], kw["weight"], kw["bias"]
     ref, pre = gemm64(x, w.mT, bias, None, 1.0)
     atol, rtol = matmul_tolerance(x, w.mT, 1.0, pre, x.dtype, x.dtype, device)
-    assert_matches(f"linear {case.note}", out, ref, atol, rtol)
+    assert_matches(f"linear {case.note}", out, overflowed(ref, x.dtype), atol, rtol)
 
 
 # ------------------------------------------------------------------------------------ scaled_mm
@@ -233,8 +240,8 @@ def scaled_mm_cases(draw, device):
                                      "scale device"])) if draw(st.booleans()) else None
     error = None
     b_k = k
-    if mutation == "block K":
-        mode, k, b_k, error = "block", draw(st.sampled_from([1, 16, 130])), None, ("a",)
+    if mutation == "block K":  # M, N > 1: one K block's scales would also be per-tensor or rowwise ones
+        mode, k, m, n, error = "block", draw(st.sampled_from([1, 16, 130])), max(m, 2), max(n, 2), ("a",)
         b_k = k
     elif mutation == "K":
         b_k, error = k + 16, ("b",)
@@ -250,9 +257,9 @@ def scaled_mm_cases(draw, device):
         if draw(st.booleans()) else None
     out_dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
     activation = draw(st.sampled_from(ACTIVATIONS))
-    if mutation == "a layout" and m > 1 and k > 1:
+    if mutation == "a layout" and m > 1 and k > 1 and a.numel():
         a, error = a.mT.contiguous().mT, ("a",)
-    elif mutation == "b layout" and n > 1 and k > 1:
+    elif mutation == "b layout" and n > 1 and k > 1 and b.numel():
         b, error = b.contiguous(), ("b",)
     elif mutation == "a dtype":
         a, error = a.to(torch.bfloat16), ("a",)
@@ -304,7 +311,7 @@ def test_scaled_mm(device, direct, data):
     # Hopper's FP8 MMA accumulates in reduced precision: a loose eps on the GPU
     acc_eps = 2.0**-13 if torch.device(device).type == "cuda" else 2.0**-23
     atol, rtol = matmul_tolerance(a, b, 1.0, pre, torch.float32, kw["out_dtype"], device, acc_eps, kw["activation"])
-    assert_matches(f"scaled_mm {case.note}", out, ref, atol, rtol)
+    assert_matches(f"scaled_mm {case.note}", out, overflowed(ref, kw["out_dtype"]), atol, rtol)
 
 
 # ------------------------------------------------------------------------------- FP8 quantizers
@@ -344,14 +351,15 @@ def quantizer_cases(draw, device):
 def scale_groups(x, kind, operand):
     """The amax of each element's scale group, broadcast to x's shape (float64)."""
     mag = x.double().abs()
+    if mag.numel() == 0:
+        return mag
     if kind == "tensorwise":
         return torch.full_like(mag, mag.max().item() if mag.numel() else 0.0)
     if kind == "rowwise":
         dim = -1 if operand == "a" else -2
         return mag.amax(dim, keepdim=True).expand_as(mag) if mag.shape[dim] else mag
     rows, cols = (1, 128) if operand == "a" else (128, 128)
-    pooled = torch.nn.functional.max_pool2d(mag.reshape(-1, 1, *mag.shape[-2:]), (rows, cols), ceil_mode=True) \
-        if mag.numel() else mag.reshape(-1, 1, *mag.shape[-2:])
+    pooled = torch.nn.functional.max_pool2d(mag.reshape(-1, 1, *mag.shape[-2:]), (rows, cols), ceil_mode=True)
     up = pooled.repeat_interleave(rows, -2).repeat_interleave(cols, -1)[..., :mag.shape[-2], :mag.shape[-1]]
     return up.reshape(mag.shape)
 
@@ -366,7 +374,7 @@ def test_fp8_quantizers(device, data):
     x, fmt, operand, kind = (case.kwargs[n] for n in ("x", "fmt", "operand", "kind"))
     stored, scale = result
     assert stored.dtype == fmt and stored.shape == x.shape, case.note
-    if x.dim() >= 2 and x.shape[-1] > 1 and x.shape[-2] > 1:
+    if x.dim() >= 2 and x.shape[-1] > 1 and x.shape[-2] > 1 and x.numel():
         unit = -1 if operand == "a" else -2
         assert stored.stride(unit) == 1, f"{case.note}: not K-major, strides {stored.stride()}"
     top, rel, sub = FP8_FORMAT[fmt]

@@ -9,8 +9,8 @@ import torch
 
 from fuzz_support import (DEVICES, FLOAT_DTYPES, INVALID_SCALES, INVALID_WINDOWS, Case, assert_close_norm,
                           assert_matches, attention64, attention_grad_atol, attention_options, attention_tolerance,
-                          expect, fuzz_property, generator, grad_tolerance, head_dims, index_tensor, layouts,
-                          lse_tolerance, make, max_score, op_bound, scale_of, seeds, seqlens)
+                          differentiable, expect, fuzz_property, generator, grad_tolerance, head_dims, index_tensor,
+                          layouts, lse_tolerance, make, max_score, op_bound, scale_of, seeds, seqlens)
 from hypothesis import strategies as st
 
 import torch_cute_ops as tco
@@ -142,7 +142,7 @@ def test_varlen(device, public, data):
     backward op on its out and lse."""
     case = data.draw(varlen_cases(device, public))
     kw = case.kwargs
-    grad = public and case.error is None and data.draw(st.booleans())
+    grad = public and data.draw(st.booleans()) and differentiable(kw["q"], kw["k"], kw["v"])
     if grad:
         kw.update({name: kw[name].detach().requires_grad_(True) for name in "qkv"})
     packed = (kw["q"], kw["k"], kw["v"], kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["max_seqlen_q"],
@@ -217,9 +217,6 @@ def kvcache_cases(draw, device, public: bool):
     new = min(new, capacity) if new is not None else None
     appended = new or 0
     lengths = [draw(st.integers(0, capacity - appended)) for _ in range(batch)]
-    if not paged:
-        leftpad = index_tensor([draw(st.integers(0, n + appended)) for n in lengths], device, draw(st.booleans())) \
-            if draw(st.booleans()) else None
     seqlens_kind = draw(st.sampled_from(["tensor", "int", "none"] if public else ["tensor"]))
     if seqlens_kind == "int":
         lengths = [lengths[0]] * batch if batch else []
@@ -229,6 +226,9 @@ def kvcache_cases(draw, device, public: bool):
         cache_seqlens = None
     else:
         cache_seqlens = index_tensor(lengths, device, draw(st.booleans()))
+    if not paged:
+        leftpad = index_tensor([draw(st.integers(0, n + appended)) for n in lengths], device, draw(st.booleans())) \
+            if draw(st.booleans()) else None
     options = draw(attention_options(public))
     cache_layout = draw(layouts(4, expanded=new is None))
     q_shape, new_shape, v_cache_shape = [batch, s_q, h_kv * group, d], [batch, appended, h_kv, d], list(cache_shape)
