@@ -24,9 +24,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     ``activation`` is None, "relu", "gelu_tanh" or "silu"; ``out_dtype`` defaults to a's dtype;
     ``alpha`` a finite number.
     """
-    alpha = float(alpha)
-    if not math.isfinite(alpha):
-        raise ValueError(f"alpha: expected a finite number, got {alpha}")
+    if not torch.compiler.is_compiling():  # traced, alpha may be symbolic: a value no guard should read
+        alpha = float(alpha)
+        if not math.isfinite(alpha):
+            raise ValueError(f"alpha: expected a finite number, got {alpha}")
     if dispatcher_free(a, b, bias):
         return _gemm.gemm_impl(a, b, bias, activation, out_dtype, alpha)
     return torch.ops.cute.gemm(a, b, bias, activation, out_dtype, alpha)
@@ -178,7 +179,7 @@ def _softmax_scale(softmax_scale, q: torch.Tensor) -> float:
         softmax_scale = float(softmax_scale)
     except (TypeError, ValueError):
         raise TypeError(f"softmax_scale: expected a float or None, got {softmax_scale!r}") from None
-    if not math.isfinite(softmax_scale):
+    if not torch.compiler.is_compiling() and not math.isfinite(softmax_scale):  # traced: maybe symbolic
         raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale}")
     return softmax_scale
 
