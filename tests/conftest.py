@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -29,3 +31,10 @@ def deterministic():
     was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     yield lambda warn_only=False: torch.use_deterministic_algorithms(True, warn_only=warn_only)
     torch.use_deterministic_algorithms(was, warn_only=was_warn_only)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fuzz tests' figures (tests/fuzz_support.py): cases tried, failures."""
+    support = sys.modules.get("fuzz_support")
+    if support is not None and support.TALLY.cases:
+        terminalreporter.write_line(support.TALLY.summary())

@@ -90,10 +90,29 @@ def test_value_head_dim_and_rank_fallbacks():
     assert len(fallback.counts()) == 2
 
 
-def test_pytorch_errors_are_kept():
+def test_input_pytorch_rejects_gets_a_named_error():
     q, k = _bhsd(1, 4, 5, 16), _bhsd(1, 2, 5, 16)
-    with pytest.raises(RuntimeError):  # head counts differ and enable_gqa is False, as in PyTorch
+    with pytest.raises(RuntimeError):  # head counts differ and enable_gqa is False
+        TORCH_SDPA(q, k, k)
+    with pytest.raises(ValueError, match=r"^key, value: batch and head dims"):
         tco.scaled_dot_product_attention(q, k, k)
+
+
+@pytest.mark.parametrize("strict", ["0", "1"])
+@pytest.mark.parametrize("make,exc,match", [
+    (lambda: (_bhsd(1, 4, 5, 16), _bhsd(1, 2, 5, 16), _bhsd(1, 2, 5, 16)), ValueError, r"^key, value: batch"),
+    (lambda: (_bhsd(1, 2, 5, 16), _bhsd(1, 2, 5, 8), _bhsd(1, 2, 5, 16)), ValueError, r"^key: expected head dim 16"),
+    (lambda: (_bhsd(1, 2, 5, 16), _bhsd(1, 2, 5, 16), _bhsd(1, 2, 5, 16).double()), TypeError,
+     r"^value: expected dtype"),
+    (lambda: (torch.ones(1, 2, 5, 16, dtype=torch.int32),) * 3, TypeError, r"^query: expected dtype in"),
+])
+def test_strict_mode_reports_the_inputs_own_error(monkeypatch, strict, make, exc, match):
+    """An invalid input is not a missing kernel: its own error comes first, strict or not."""
+    monkeypatch.setenv("TORCH_CUTE_OPS_STRICT", strict)
+    q, k, v = make()
+    with pytest.raises(exc, match=match):
+        tco.scaled_dot_product_attention(q, k, v, dropout_p=0.1)  # dropout alone would be a fallback
+    assert not fallback.counts()
 
 
 def test_strict_mode_refuses_the_pytorch_fallback(monkeypatch):

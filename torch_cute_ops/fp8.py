@@ -29,6 +29,15 @@ def _check_input(x: torch.Tensor, rank: tuple[int, ...]) -> None:
         raise ValueError(f"x: expected a {' or '.join(map(str, rank))}-d tensor, got shape {tuple(x.shape)}")
 
 
+def _amax(x: torch.Tensor, dims) -> torch.Tensor:
+    """The largest |x| over ``dims`` (all of them when None), keeping them; 0 (a scale of 1) for
+    an empty group, where ``amax`` itself refuses to reduce."""
+    dims = tuple(range(x.dim())) if dims is None else dims
+    if all(x.shape[d] for d in dims):
+        return x.abs().amax(dim=dims, keepdim=True)
+    return x.new_zeros([1 if d in dims or d - x.dim() in dims else n for d, n in enumerate(x.shape)])
+
+
 def _k_major(stored: torch.Tensor, operand: str) -> torch.Tensor:
     """a (.., M, K) row-major, b (.., K, N) column-major: the K-major layouts scaled_mm needs (a
     copy only if the stored values, which follow the input's strides, are not)."""
@@ -54,7 +63,7 @@ def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3f
     """One scale for the whole tensor: (stored, scale of shape ()), laid out K-major for
     ``operand`` ("a": row-major, "b": column-major), as scaled_mm takes it."""
     _check_input(x, (1, 2, 3))
-    return _quantize(x, x.abs().amax(), dtype, lambda s: s, operand)
+    return _quantize(x, _amax(x, None).reshape(()), dtype, lambda s: s, operand)
 
 
 def quantize_rowwise(x: torch.Tensor, operand: str = "a", dtype: torch.dtype = torch.float8_e4m3fn):
@@ -64,7 +73,7 @@ def quantize_rowwise(x: torch.Tensor, operand: str = "a", dtype: torch.dtype = t
     if operand not in ("a", "b"):
         raise ValueError(f"operand: expected 'a' or 'b', got {operand!r}")
     dim = {"a": -1, "b": -2}[operand]
-    return _quantize(x, x.abs().amax(dim=dim, keepdim=True), dtype, lambda s: s, operand)
+    return _quantize(x, _amax(x, (dim,)), dtype, lambda s: s, operand)
 
 
 def quantize_blockwise(x: torch.Tensor, operand: str = "a", dtype: torch.dtype = torch.float8_e4m3fn):
@@ -82,14 +91,14 @@ def quantize_blockwise(x: torch.Tensor, operand: str = "a", dtype: torch.dtype =
                          f"{BLOCK}, got shape {tuple(x.shape)}")
     if operand == "a":
         groups = x.unflatten(-1, (k // BLOCK, BLOCK))
-        amax = groups.abs().amax(dim=-1)
+        amax = _amax(groups, (-1,)).squeeze(-1)
         stored, scale = _quantize(x, amax, dtype, lambda s: s.repeat_interleave(BLOCK, dim=-1))
         return stored, tma_inner_layout(scale, -2)
     n = x.shape[-1]
     pad = -n % BLOCK
     padded = torch.nn.functional.pad(x, (0, pad)) if pad else x
     groups = padded.unflatten(-1, (-1, BLOCK)).unflatten(-3, (k // BLOCK, BLOCK))  # (.., Kb, 128, Nb, 128)
-    amax = groups.abs().amax(dim=(-3, -1))
+    amax = _amax(groups, (-3, -1)).squeeze(-1).squeeze(-2)
 
     def expand(s):
         return s.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)[..., :n]
@@ -152,13 +161,16 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     operands need are plain tensor ops (they trace under torch.compile)."""
     if scaling not in ("row", "tensor"):
         raise ValueError(f"scaling: expected 'row' or 'tensor', got {scaling!r}")
+    for name, t in (("input", input), ("weight", weight)):  # the dtypes scaled_mm returns results and grads in
+        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"{name}: expected a bf16, fp16 or fp32 tensor, got {t.dtype}")
     if weight.dim() != 2:
         raise ValueError(f"weight: expected a 2-d tensor (out_features, in_features), got shape {tuple(weight.shape)}")
     if input.dim() == 0 or input.shape[-1] != weight.shape[1]:
         raise ValueError(f"input: expected last dim {weight.shape[1]} (in_features of weight), "
                          f"got shape {tuple(input.shape)}")
     lead = input.shape[:-1]
-    out = _Fp8Linear.apply(input.reshape(-1, input.shape[-1]), weight, bias, scaling)
+    out = _Fp8Linear.apply(input.reshape(lead.numel(), input.shape[-1]), weight, bias, scaling)
     return out.view(*lead, weight.shape[0])
 
 

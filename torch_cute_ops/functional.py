@@ -10,6 +10,7 @@ from .ops import attention as _attention
 from .ops import attention_kvcache as _attention_kvcache
 from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
+from .ops import checks
 from .ops import scaled_gemm as _scaled_gemm
 from .ops import bounds
 from .ops import sinks as _sinks
@@ -22,10 +23,15 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     """``activation(alpha * (a @ b) + bias)`` in one kernel; a (M, K) or (L, M, K), b (K, N)
     or (L, K, N).
 
-    ``activation`` is None, "relu", "gelu_tanh" or "silu"; ``out_dtype`` defaults to a's dtype.
+    ``activation`` is None, "relu", "gelu_tanh" or "silu"; ``out_dtype`` defaults to a's dtype;
+    ``alpha`` a finite number.
     """
+    if not torch.compiler.is_compiling():  # traced, alpha may be symbolic: a value no guard should read
+        alpha = float(alpha)
+        if not math.isfinite(alpha):
+            raise ValueError(f"alpha: expected a finite number, got {alpha}")
     if dispatcher_free(a, b, bias):
-        return _gemm.gemm_impl(a, b, bias, activation, out_dtype, float(alpha))
+        return _gemm.gemm_impl(a, b, bias, activation, out_dtype, alpha)
     return torch.ops.cute.gemm(a, b, bias, activation, out_dtype, alpha)
 
 
@@ -53,12 +59,24 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"input: expected last dim {weight.shape[1]} (in_features of weight), "
                          f"got shape {tuple(input.shape)}")
     lead = input.shape[:-1]
-    flat = input.reshape(-1, input.shape[-1])  # a view whenever the leading dims allow it
-    if dispatcher_free(input, weight, bias):
-        out = _gemm.gemm_impl(flat, weight.t(), bias)  # weight.t(): K-major B, no copy
-    else:
-        out = torch.ops.cute.gemm(flat, weight.t(), bias, None, None)
+    flat = input.reshape(lead.numel(), input.shape[-1])  # a view whenever the leading dims allow it
+    try:
+        if dispatcher_free(input, weight, bias):
+            out = _gemm.gemm_impl(flat, weight.t(), bias)  # weight.t(): K-major B, no copy
+        else:
+            out = torch.ops.cute.gemm(flat, weight.t(), bias, None, None)
+    except (TypeError, ValueError):
+        _check_linear_operands(input, weight, bias)  # the op's error names a and b: name linear's arguments
+        raise
     return out.view(*lead, weight.shape[0])
+
+
+def _check_linear_operands(input, weight, bias) -> None:
+    checks.require_dtype("input", input, _gemm.INPUT_DTYPES)
+    checks.require_same_dtype("weight", weight, "input", input)
+    if bias is not None:
+        checks.require_same_dtype("bias", bias, "input", input)
+    checks.require_same_device([("input", input), ("weight", weight), ("bias", bias)])
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
@@ -86,10 +104,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     query head added to every row's softmax denominator (a key that attends to nothing);
     differentiable, and the returned lse includes it.
     """
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    softmax_scale = _softmax_scale(softmax_scale, q)
     left, right = _window_bounds(window_size)
-    args = (q, k, v, float(softmax_scale), bool(causal), left, right, float(softcap))
+    args = (q, k, v, softmax_scale, bool(causal), left, right, float(softcap))
     if key_start is not None or key_end is not None:
         args += (key_start, key_end)
     if learnable_sink is not None:
@@ -117,10 +134,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     float32 log-sum-exp, shape (heads, total_q). ``deterministic`` and ``learnable_sink`` as in
     :func:`flash_attn_func`.
     """
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    softmax_scale = _softmax_scale(softmax_scale, q)
     left, right = _window_bounds(window_size)
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), bool(causal),
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal),
             left, right, float(softcap))
     if learnable_sink is not None:
         _sinks.validate_sink(learnable_sink, q, 1)
@@ -157,12 +173,12 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     if learnable_sink is not None:
         _sinks.validate_sink(learnable_sink, q, 2)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    softmax_scale = _softmax_scale(softmax_scale, q)
     left, right = _window_bounds(window_size)
-    if cache_seqlens is None or isinstance(cache_seqlens, int):
-        cache_seqlens = _uniform_lengths(q, k_cache, k, page_table, cache_seqlens)
-    args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, float(softmax_scale), bool(causal),
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = _uniform_lengths(q, k_cache, v_cache, k, v, cache_batch_idx, page_table, cache_leftpad,
+                                         cache_seqlens)
+    args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, bool(causal),
             left, right, float(softcap), cache_leftpad)
     if dispatcher_free(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad):
         out, lse = _attention_kvcache.flash_attn_kvcache_impl(*args)
@@ -173,16 +189,37 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return (out, lse) if return_lse else out
 
 
-def _uniform_lengths(q, k_cache, k, page_table, length: int | None) -> torch.Tensor:
+def _softmax_scale(softmax_scale, q: torch.Tensor) -> float:
+    """The scale given (a finite number) or 1 / sqrt(head_dim). A q without a head dim gets 1.0
+    here: the op's validation then names what is wrong with q."""
+    if softmax_scale is None:
+        head_dim = q.shape[-1] if q.dim() else 0
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    try:
+        softmax_scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"softmax_scale: expected a float or None, got {softmax_scale!r}") from None
+    if not torch.compiler.is_compiling() and not math.isfinite(softmax_scale):  # traced: maybe symbolic
+        raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale}")
+    return softmax_scale
+
+
+def _uniform_lengths(q, k_cache, v_cache, k, v, cache_batch_idx, page_table, cache_leftpad, length) -> torch.Tensor:
     """One cache length for every entry (None: the capacity less the new tokens), checked here on
     the host and made into the int32 (batch,) tensor the op takes, recorded as checked."""
-    capacity = k_cache.shape[1] * (1 if page_table is None or page_table.dim() != 2 else page_table.shape[1])
+    if q.dim() != 4 or k_cache.dim() != 4 or (k is not None and k.dim() != 4) or (
+            page_table is not None and page_table.dim() != 2):
+        # the sizes below do not exist: the op's validation names the argument
+        _attention_kvcache._validate(q, k_cache, v_cache, k, v, None, cache_batch_idx, page_table, cache_leftpad)
+    if length is not None and (not isinstance(length, int) or isinstance(length, bool)):
+        raise TypeError(f"cache_seqlens: expected an int32 tensor (batch,), an int or None, got {length!r}")
+    capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
     new = 0 if k is None else k.shape[1]
     if length is None:
         length = capacity - new
-    if isinstance(length, bool) or not 0 <= length <= capacity - new:
+    if not 0 <= length <= capacity - new:
         raise ValueError(f"cache_seqlens: expected a length in [0, {capacity - new}] (the cache's capacity of "
-                         f"{capacity} keys per entry less {new} new tokens), got {length!r}")
+                         f"{capacity} keys per entry less {new} new tokens), got {length}")
     lengths = torch.full((q.shape[0],), length, dtype=torch.int32, device=q.device)
     bounds.mark_within(lengths, 0, capacity - new)
     return lengths

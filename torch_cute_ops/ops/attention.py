@@ -25,24 +25,25 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
 
 
-def validate_qkv_common(q, k, v, layout: str) -> None:
+def validate_qkv_common(q, k, v, layout: str, names: tuple[str, str] = ("k", "v")) -> None:
     """What every attention layout asks of q, k, v (q's rank checked by the caller): k and v of
     q's rank, one dtype and device, v shaped like k, equal head dims, whole GQA groups. The
-    sequence, heads and head_dim are the last three axes."""
-    for name, t in (("k", k), ("v", v)):
+    sequence, heads and head_dim are the last three axes. ``names``: the arguments k and v are."""
+    k_name, v_name = names
+    for name, t in ((k_name, k), (v_name, v)):
         checks.require_rank(name, t, (q.dim(),), layout)
     checks.require_dtype("q", q, INPUT_DTYPES)
-    checks.require_same_dtype("k", k, "q", q)
-    checks.require_same_dtype("v", v, "q", q)
-    checks.require_same_device([("q", q), ("k", k), ("v", v)])
+    checks.require_same_dtype(k_name, k, "q", q)
+    checks.require_same_dtype(v_name, v, "q", q)
+    checks.require_same_device([("q", q), (k_name, k), (v_name, v)])
     seq, heads, dim = q.dim() - 3, q.dim() - 2, q.dim() - 1
     heads_q, head_dim = q.shape[heads], q.shape[dim]
-    checks.require_dim("k", k, dim, head_dim, "head_dim, as in q")
-    checks.require_dim("v", v, seq, k.shape[seq], "seqlen_k, as in k")
-    checks.require_dim("v", v, heads, k.shape[heads], "kv heads, as in k")
-    checks.require_dim("v", v, dim, head_dim, "head_dim, as in q (a different v head dim is not supported)")
+    checks.require_dim(k_name, k, dim, head_dim, "head_dim, as in q")
+    checks.require_dim(v_name, v, seq, k.shape[seq], f"seqlen_k, as in {k_name}")
+    checks.require_dim(v_name, v, heads, k.shape[heads], f"kv heads, as in {k_name}")
+    checks.require_dim(v_name, v, dim, head_dim, "head_dim, as in q (a different v head dim is not supported)")
     if k.shape[heads] == 0 or heads_q % k.shape[heads]:
-        raise ValueError(f"k: the number of kv heads ({k.shape[heads]}) must divide the number of "
+        raise ValueError(f"{k_name}: the number of kv heads ({k.shape[heads]}) must divide the number of "
                          f"query heads ({heads_q}) (GQA/MQA)")
     if not 0 < head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"q: head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")

@@ -37,7 +37,7 @@ _LAYOUT = "(batch, seqlen, heads, head_dim)"
 
 def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad=None) -> None:
     checks.require_rank("q", q, (4,), _LAYOUT)
-    validate_qkv_common(q, k_cache, v_cache, _LAYOUT)
+    validate_qkv_common(q, k_cache, v_cache, _LAYOUT, ("k_cache", "v_cache"))
     batch = q.shape[0]
     if (k is None) != (v is None):
         raise ValueError("k, v: give both (new keys to append) or neither")
@@ -48,6 +48,10 @@ def _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_ta
             if t.dim() != 4 or tuple(t.shape) != expected:
                 raise ValueError(f"{name}: expected shape {expected} (batch, new tokens, kv heads, head_dim), "
                                  f"got {tuple(t.shape)}")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):  # the new keys are written in place
+            if t.numel() and any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+                raise ValueError(f"{name}: an expanded view (stride 0) cannot take new keys in place, got "
+                                 f"strides {t.stride()}")
     named = [("cache_seqlens", cache_seqlens, (batch,)), ("cache_batch_idx", cache_batch_idx, (batch,)),
              ("cache_leftpad", cache_leftpad, (batch,))]
     if page_table is not None:
@@ -120,6 +124,8 @@ def _reference(q, k_cache, v_cache, key_lengths, page_table, softmax_scale, caus
                                             causal, window_left, window_right, softcap)
         outs.append(out)
         lses.append(lse)
+    if not outs:  # an empty batch
+        return _outputs_like(q)
     return torch.cat(outs), torch.cat(lses)
 
 
@@ -200,7 +206,10 @@ def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
                             causal, window_left=None, window_right=None, softcap=0.0, cache_leftpad=None):
     if softcap != 0.0:  # a value, not part of the plan's key: checked on every call
         _validate_softcap(softcap)
-    capacity = _capacity(k_cache, page_table) if page_table is None or page_table.dim() == 2 else 0
+    if q.dim() != 4 or k_cache.dim() != 4 or (page_table is not None and page_table.dim() != 2):
+        # the named error, before the sizes below are read
+        _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
+    capacity = _capacity(k_cache, page_table)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], capacity)
     exact = (*_exact_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad),
              band_causal, local, softcap_kind(softcap, q.dtype))

@@ -40,8 +40,8 @@ def _expected_scales(a, b) -> str:
 
 
 def _require_k_major(name: str, t: torch.Tensor, layout: str) -> None:
-    if t.shape[-1 if name == "a" else -2] == 1:
-        return  # K = 1: every layout is K-major
+    if t.shape[-1 if name == "a" else -2] <= 1 or t.numel() == 0:
+        return  # K <= 1 or no elements: every layout is K-major
     shape3 = (1, *t.shape[-2:])
     stride3 = (0, *t.stride()[-2:])
     _, cols_major = operand_strides(shape3, stride3, t.element_size())
