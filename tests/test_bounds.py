@@ -101,3 +101,17 @@ def test_a_plan_keyed_on_key_tiles_still_checks_a_mask_against_the_exact_key_cou
     with pytest.raises(ValueError, match="attn_mask"):
         torch.ops.cute.flash_attn_fwd(q, torch.randn(1, 8, 2, 32), torch.randn(1, 8, 2, 32), 0.2, False, None, None,
                                       0.0, None, None, mask)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_the_ops_check_softmax_scale_on_every_call(scale):
+    q = torch.randn(1, 3, 2, 16)
+    torch.ops.cute.flash_attn_fwd(q, q, q, 0.25, False)  # plans the layout
+    with pytest.raises(ValueError, match="softmax_scale"):
+        torch.ops.cute.flash_attn_fwd(q, q, q, scale, False)
+
+
+def test_strided_index_tensors_reach_the_kernels_contiguous():
+    lengths = torch.arange(8, dtype=torch.int32)[::2]
+    assert not lengths.is_contiguous() and bounds.dense(lengths).is_contiguous()
+    assert bounds.dense(lengths).tolist() == [0, 2, 4, 6]

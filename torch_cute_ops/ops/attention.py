@@ -82,6 +82,12 @@ def _validate_attn_mask(q, k, attn_mask) -> None:
     checks.require_same_device([("q", q), ("attn_mask", attn_mask)])
 
 
+def validate_scale(softmax_scale) -> None:
+    """A finite softmax_scale (a NaN or infinite one makes every row NaN): checked on every call."""
+    if not -float("inf") < softmax_scale < float("inf"):
+        raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale}")
+
+
 def _validate_softcap(softcap) -> None:
     if not softcap >= 0.0 or softcap == float("inf"):
         raise ValueError(f"softcap: expected a finite value >= 0 (0 = off), got {softcap}")
@@ -181,6 +187,7 @@ def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window
     # ``deterministic`` selects the backward's variant only (autograd carries it there)
     if q.dim() != 4 or k.dim() != 4:
         _validate_qkv(q, k, v)  # the named error
+    validate_scale(softmax_scale)
     if softcap != 0.0:  # a value, not part of the plan's key: checked on every call
         _validate_softcap(softcap)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
@@ -203,7 +210,7 @@ def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window
         if reason is None:
             out, lse = written_in_full(_fwd_outputs_like, q)
             if padded:
-                plan.padded(q, k, v, key_start, key_end, out, lse, softmax_scale, left, right, softcap)
+                plan.padded(q, k, v, bounds.dense(key_start), bounds.dense(key_end), out, lse, softmax_scale, left, right, softcap)
             elif attn_mask is not None:
                 plan.masked(q, k, v, attn_mask, out, lse, softmax_scale)
             else:
@@ -294,6 +301,7 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     if q.dim() != 4 or k.dim() != 4:
         _validate_bwd(dout, q, k, v, out, lse)  # the named error
+    validate_scale(softmax_scale)
     if softcap != 0.0:
         _validate_softcap(softcap)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
@@ -310,7 +318,7 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
         if reason is None:
             dq, dk, dv = written_in_full(empty_grads, q, k, v)
             if key_start is not None:
-                plan.padded(dout, q, k, v, out, lse.contiguous(), key_start, key_end, dq, dk, dv, softmax_scale,
+                plan.padded(dout, q, k, v, out, lse.contiguous(), bounds.dense(key_start), bounds.dense(key_end), dq, dk, dv, softmax_scale,
                             left, right, softcap)
             elif attn_mask is not None:
                 plan.masked(dout, q, k, v, out, lse.contiguous(), attn_mask, dq, dk, dv, softmax_scale)

@@ -29,7 +29,7 @@ from ..reference import attention as reference
 from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
 from ..runtime.lasting import lasting
 from . import bounds, checks, dispatch, fallback
-from .attention import _remember, _validate_softcap, keys_key, validate_qkv_common
+from .attention import _remember, _validate_softcap, keys_key, validate_qkv_common, validate_scale
 from .schemas import lib, qualname, register_impl
 
 _LAYOUT = "(batch, seqlen, heads, head_dim)"
@@ -204,6 +204,7 @@ def _planning_key(exact: tuple, k_cache, v_cache, page_table, cache_batch_idx) -
 
 def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                             causal, window_left=None, window_right=None, softcap=0.0, cache_leftpad=None):
+    validate_scale(softmax_scale)
     if softcap != 0.0:  # a value, not part of the plan's key: checked on every call
         _validate_softcap(softcap)
     if q.dim() != 4 or k_cache.dim() != 4 or (page_table is not None and page_table.dim() != 2):
@@ -235,11 +236,12 @@ def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
             out, lse = _outputs_like(q)
             if rows == "ranged":
                 key_start = _zero_starts(q.device.index, q.shape[0]) if cache_leftpad is None else cache_leftpad
-                launch.ranged(q, k_cache, v_cache, key_start, key_lengths, out, lse, softmax_scale, left, right,
-                              softcap)
+                launch.ranged(q, k_cache, v_cache, bounds.dense(key_start), bounds.dense(key_lengths), out, lse,
+                              softmax_scale, left, right, softcap)
             else:
-                launch.kvcache(q, k_cache, v_cache, key_lengths, _pages_of(q, page_table, cache_batch_idx),
-                               k_cache.shape[1], out, lse, softmax_scale, left, right, softcap)
+                pages = bounds.dense(_pages_of(q, page_table, cache_batch_idx))
+                launch.kvcache(q, k_cache, v_cache, bounds.dense(key_lengths), pages, k_cache.shape[1], out, lse,
+                               softmax_scale, left, right, softcap)
             return out, lse
         plan = reason
     if plan != "cpu":

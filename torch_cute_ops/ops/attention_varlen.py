@@ -22,8 +22,8 @@ from ..reference import attention as reference
 from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
 from ..runtime.tma import tma_reason
 from ..runtime.unfilled import written_in_full
-from . import checks, dispatch, fallback
-from .attention import _remember, _validate_softcap, empty_grads, validate_qkv_common
+from . import bounds, checks, dispatch, fallback
+from .attention import _remember, _validate_softcap, empty_grads, validate_qkv_common, validate_scale
 from .schemas import lib, qualname, register_impl
 
 _LAYOUT = "(total_seqlen, heads, head_dim)"
@@ -115,6 +115,7 @@ def flash_attn_varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     # ``deterministic`` selects the backward's variant only (autograd carries it there)
     if q.dim() != 3 or k.dim() != 3 or min(max_seqlen_q, max_seqlen_k) < 0:
         _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)  # the named error
+    validate_scale(softmax_scale)
     if softcap != 0.0:  # a value, not part of the plan's key: checked on every call
         _validate_softcap(softcap)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, max_seqlen_q, max_seqlen_k)
@@ -128,7 +129,7 @@ def flash_attn_varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         reason = pointer_reason(("q", q), ("k", k), ("v", v))
         if reason is None:
             out, lse = written_in_full(_fwd_outputs_like, q)
-            plan.packed(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), out, lse,
+            plan.packed(q, k, v, bounds.dense(cu_seqlens_q), bounds.dense(cu_seqlens_k), int(max_seqlen_q), int(max_seqlen_k), out, lse,
                         softmax_scale, left, right, softcap)
             return out, lse
         plan = reason
@@ -209,6 +210,7 @@ def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     if q.dim() != 3 or k.dim() != 3 or min(max_seqlen_q, max_seqlen_k) < 0:
         _validate_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    validate_scale(softmax_scale)
     if softcap != 0.0:
         _validate_softcap(softcap)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, max_seqlen_q, max_seqlen_k)
@@ -221,8 +223,8 @@ def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
         reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
             dq, dk, dv = written_in_full(empty_grads, q, k, v)
-            plan.packed(dout, q, k, v, out, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                        int(max_seqlen_k), dq, dk, dv, softmax_scale, left, right, softcap)
+            plan.packed(dout, q, k, v, out, lse.contiguous(), bounds.dense(cu_seqlens_q), bounds.dense(cu_seqlens_k),
+                        int(max_seqlen_q), int(max_seqlen_k), dq, dk, dv, softmax_scale, left, right, softcap)
             return dq, dk, dv
         plan = reason
     if plan != "cpu":

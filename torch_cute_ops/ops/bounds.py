@@ -118,3 +118,8 @@ def mark_within(t: torch.Tensor, low: int, high, offset: int = 0) -> None:
     if readable(t, high if isinstance(high, torch.Tensor) else None):
         mark_checked(t, ("within", low, ("tensor", serial(high)) if isinstance(high, torch.Tensor) else high,
                          offset))
+
+
+def dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An index tensor as the kernels read it: contiguous int32 (a strided view is copied)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
