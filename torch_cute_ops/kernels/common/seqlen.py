@@ -39,7 +39,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
-from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import LoadCacheMode, cpasync
 
 from .dsl_state import DslState
 
@@ -178,7 +178,7 @@ def load_rows(gX: cute.Tensor, sX: cute.Tensor, row_offset: Int32, num_rows: Int
     them (:func:`zero_rows`). A loop over rows, no unrolled row table (a producer warp has few
     registers)."""
     vec, columns, first_row, row_step = _row_walk(sX, tidx, num_threads)
-    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), sX.element_type, num_bits_per_copy=128)
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(LoadCacheMode.GLOBAL), sX.element_type, num_bits_per_copy=128)
     real_rows = cutlass.min(cute.size(sX, mode=[0]), num_rows - row_offset)
     for r in cutlass.range(first_row, real_rows, row_step, unroll=1):
         for c in cutlass.range_constexpr(len(columns)):

@@ -51,10 +51,10 @@ epilogue. The tile/cluster come from :func:`torch_cute_ops.runtime.gemm_config.c
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 from ...runtime.gemm_config import GemmConfig
 from ...runtime.spec import KernelSpec
@@ -216,8 +216,8 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         elif cutlass.const_expr(self.scale_mode != "tensor"):  # per-tensor: one value each
             mScaleA, mScaleB = (swapped_scales(mScaleA, mScaleB) if self.swap_ab
                                 else (scales_to_kernel_order(mScaleA), scales_to_kernel_order(mScaleB)))
-        a_layout = utils.LayoutEnum.ROW_MAJOR if self.a_k_major else utils.LayoutEnum.COL_MAJOR
-        b_layout = utils.LayoutEnum.ROW_MAJOR if self.b_k_major else utils.LayoutEnum.COL_MAJOR
+        a_layout = LayoutEnum.ROW_MAJOR if self.a_k_major else LayoutEnum.COL_MAJOR
+        b_layout = LayoutEnum.ROW_MAJOR if self.b_k_major else LayoutEnum.COL_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.b_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
             Float32, (self.tile_wgs, 1, 1), tiler_mn=(64, self.tile_shape_mnk[1]),
@@ -226,7 +226,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         sB_layout = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape_mnk, self.b_dtype, self.ab_stages)
         # each tile group has its own ring of epi_stages subtiles
         sC_layout = sm90_utils.make_smem_layout_epi(
-            self.out_dtype, utils.LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages * self.num_tile_groups)
+            self.out_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages * self.num_tile_groups)
 
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         cluster_m, cluster_n = self.cluster_shape_mn
@@ -303,7 +303,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord_mnk = cluster_layout_mnk.get_flat_coord(cta_rank)
 
-        smem = utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
@@ -342,13 +342,13 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         cute.arch.griddepcontrol_launch_dependents()
 
         if wg_idx == 0:
-            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self._produce(ab_pipeline, sched, tma_atom_a, tma_atom_b, mA_mkl, mB_nkl, gA, gB, sA, sB,
                               cluster_layout_mnk, cluster_coord_mnk, num_k_tiles,
                               (tma_atom_sa, tma_atom_sb, mScaleA, mScaleB, scale_smem))
         else:
-            cute.arch.warpgroup_reg_alloc(self.mma_regs)
+            cute.arch.setmaxregister_increase(self.mma_regs)
             self._consume(ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, mScaleA, mScaleB, alpha,
                           sA, sB, sC, num_k_tiles, tidx - 128, (mPartials, mFlags), scale_smem)
 

@@ -11,10 +11,10 @@ from typing import Any, NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.tensor_utils import LayoutEnum
 
 from ..common.activation import input_scale
 
@@ -38,7 +38,7 @@ class GemmEpilogue:
     def _tma_store_setup(self, tiled_mma, acc, sC, group, group_tidx) -> TmaStore:
         """The registers -> stmatrix -> smem ring -> TMA store path of this tile group."""
         r2s_copy = cute.make_tiled_copy_S(
-            sm90_utils.get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, self.out_dtype, Float32),
+            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.out_dtype, Float32),
             cute.make_tiled_copy_C_atom(
                 cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.out_dtype), tiled_mma),
         )
