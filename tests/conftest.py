@@ -29,3 +29,22 @@ def deterministic():
     was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     yield lambda warn_only=False: torch.use_deterministic_algorithms(True, warn_only=warn_only)
     torch.use_deterministic_algorithms(was, warn_only=was_warn_only)
+
+
+@pytest.fixture(scope="session")
+def variant_ptx(tmp_path_factory):
+    """``variant_ptx(spec)``: the PTX file of a kernel variant, compiled (no GPU needed) once per
+    test run, however many tests read it."""
+    from torch_cute_ops.kernels import compile_spec
+
+    folders = {}
+
+    def ptx_path(spec):
+        if spec not in folders:
+            folder = tmp_path_factory.mktemp(spec.digest)
+            compile_spec(spec, dump_dir=folder)
+            folders[spec] = folder
+        (path,) = folders[spec].glob("*.ptx")
+        return path
+
+    return ptx_path
