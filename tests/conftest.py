@@ -38,3 +38,22 @@ def pytest_terminal_summary(terminalreporter):
     support = sys.modules.get("fuzz_support")
     if support is not None and support.TALLY.cases:
         terminalreporter.write_line(support.TALLY.summary())
+
+
+@pytest.fixture(scope="session")
+def variant_ptx(tmp_path_factory):
+    """``variant_ptx(spec)``: the PTX file of a kernel variant, compiled (no GPU needed) once per
+    test run, however many tests read it."""
+    from torch_cute_ops.kernels import compile_spec
+
+    folders = {}
+
+    def ptx_path(spec):
+        if spec not in folders:
+            folder = tmp_path_factory.mktemp(spec.digest)
+            compile_spec(spec, dump_dir=folder)
+            folders[spec] = folder
+        (path,) = folders[spec].glob("*.ptx")
+        return path
+
+    return ptx_path

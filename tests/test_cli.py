@@ -1,14 +1,132 @@
-"""The two commands: the main job runs without a GPU, and `compile` builds every shipped variant."""
+"""The commands: the main job runs without a GPU (a self-check, and a compile check into the
+kernel cache that a second run loads), `compile` builds every shipped variant, `aot` a library."""
 
+import io
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from torch_cute_ops import cli
 from torch_cute_ops.cli import count_instructions
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def quick_main_job(monkeypatch):
+    """The main job without its start-up timing (fresh processes importing torch: test_startup's)."""
+    from torch_cute_ops import measure
+
+    if torch.cuda.is_available():
+        pytest.skip("the compile check is the main job's CPU path")
+    monkeypatch.setattr(measure, "import_cost", lambda runs: {"import_torch_s": 1.0, "import_package_s": 0.05,
+                                                              "heavy_modules": []})
+
+
+def _verdict(out: str) -> str:
+    return out.strip().splitlines()[-1]
+
+
+def test_main_job_builds_one_variant_per_family_into_the_cache_then_loads_them(quick_main_job, monkeypatch,
+                                                                                 tmp_path, capsys):
+    pytest.importorskip("cutlass")
+    from torch_cute_ops.runtime import cache, shipped_specs
+
+    monkeypatch.setenv("TORCH_CUTE_OPS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCH_CUTE_OPS_AOT_DIR", str(tmp_path / "no-aot"))
+    cache.clear_memory_cache()
+    families = {spec.family for spec in shipped_specs("sm_90a")}
+    assert cli.main_job() == 0
+    out = capsys.readouterr().out
+    checks = out.count("  PASS  ")
+    assert _verdict(out).startswith(f"verdict: OK - self-check {checks}/{checks}, compile {len(families)}/"
+                                    f"{len(families)} sm_90a ({len(families)} compiled, 0 loaded")
+    assert len(list((tmp_path / "cache").rglob("*.so"))) == len(families)
+    compile_section = out[out.index("== compile check"):]
+    assert max(map(len, compile_section.splitlines())) <= 100
+    assert not any(spec.name in out for spec in shipped_specs("sm_90a"))  # full names run past 150
+    cache.clear_memory_cache()  # what a second run sees: the on-disk cache
+    assert cli.main_job() == 0
+    assert f"(0 compiled, {len(families)} loaded" in _verdict(capsys.readouterr().out)
+    cache.clear_memory_cache()
+
+
+@pytest.mark.parametrize("scope", ["all", "none"])
+def test_main_job_compiles_every_variant_or_none_and_counts_failures(quick_main_job, monkeypatch, capsys, scope):
+    from torch_cute_ops.runtime import cache, shipped_specs
+
+    asked = []
+
+    def get_compiled(spec):
+        asked.append(spec)
+        if spec.family == "flash_bwd_sm90":
+            raise RuntimeError("no backward today\nsecond line")
+        return lambda *args: None
+
+    monkeypatch.setattr(cache, "get_compiled", get_compiled)
+    monkeypatch.setattr(cli, "self_check", lambda device: [("stub check", 0.0, 1e-5)])
+    code = cli.main([f"--{'all' if scope == 'all' else 'no-compile'}"])
+    out = capsys.readouterr().out
+    if scope == "none":
+        assert code == 0 and not asked and _verdict(out) == "verdict: OK - self-check 1/1"
+        return
+    specs = shipped_specs("sm_90a")
+    failures = [spec for spec in specs if spec.family == "flash_bwd_sm90"]
+    assert code == 1 and asked == specs
+    assert _verdict(out).startswith(f"verdict: FAILED - self-check 1/1, compile {len(specs) - len(failures)}/"
+                                     f"{len(specs)} sm_90a (0 compiled, {len(specs) - len(failures)} loaded")
+    assert out.count("  FAIL  flash_bwd_sm90 ") == len(failures)
+    assert "RuntimeError: no backward today" in out and "second line" not in out
+    assert out.count("/{len(specs)} ") <= 11  # the progress: a line per tenth, not one per variant
+
+
+def test_main_job_options_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--all", "--no-compile"])
+    assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_progress_redraws_on_a_terminal_and_prints_tenths_elsewhere():
+    log = io.StringIO()
+    progress = cli.Progress(25, log)
+    for done in range(1, 26):
+        progress.update(done, "variant " + "x" * 200)
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 10 and lines[-1].startswith("  [" + "#" * 24 + "] 25/25")
+    assert max(map(len, lines)) <= 100 and "left" in lines[0]
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    progress = cli.Progress(3, screen)
+    for done in range(1, 4):
+        progress.update(done)
+    assert screen.getvalue().count("\r") == 3 and screen.getvalue().count("\n") == 1
+
+
+def test_short_names_are_short_distinct_and_one_per_family():
+    from torch_cute_ops.runtime import shipped_specs
+
+    for arch in ("sm_90a", "sm_100a"):
+        specs = shipped_specs(arch)
+        names = [cli.short_name(spec) for spec in specs]
+        assert len(set(names)) == len(specs) and max(map(len, names)) <= 90
+        assert [spec.family for spec in cli.representative_specs(arch)] == list(dict.fromkeys(
+            spec.family for spec in specs))
+    gemm = shipped_specs("sm_90a", "gemm_sm90")[0]
+    assert cli.short_name(gemm) == f"gemm_sm90 ab=bf16 out=bf16 tile=128x256 #{gemm.digest[:8]}"
+
+
+def test_help_prints_no_warning():
+    proc = subprocess.run([sys.executable, "-W", "default", "-m", "torch_cute_ops", "--help"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and "--no-compile" in proc.stdout
+    assert proc.stderr == ""
 
 
 def test_count_instructions_counts_instruction_lines_only():
@@ -30,8 +148,10 @@ def test_compile_rejects_unknown_arch():
     assert proc.returncode == 2 and "invalid choice: 'sm_80'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_compile_command_writes_one_ptx_per_variant(tmp_path):
-    """sm_100a here; the sm_90a variants are compiled (with their PTX) by the aot test below."""
+    """sm_100a here (test_gemm_sm100_ptx compiles the same variants in-process by default); the
+    sm_90a variants are compiled (with their PTX) by the aot test below."""
     arch = "sm_100a"
     pytest.importorskip("cutlass")
     from torch_cute_ops.runtime import shipped_specs
@@ -55,6 +175,7 @@ def test_compile_command_writes_one_ptx_per_variant(tmp_path):
         assert counts["tcgen05.mma"] > 0
 
 
+@pytest.mark.slow
 def test_aot_builds_the_sm90a_library_that_loads_without_the_dsl(tmp_path):
     """The ahead-of-time library of every shipped sm_90a variant, built with no GPU: one PTX
     and cubin per variant with the Hopper instruction mix, a manifest naming each variant's

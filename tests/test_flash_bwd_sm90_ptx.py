@@ -10,7 +10,6 @@ import pytest
 
 cutlass = pytest.importorskip("cutlass")
 
-from torch_cute_ops.kernels import compile_spec  # noqa: E402
 from torch_cute_ops.runtime import attention as flash_host  # noqa: E402
 from torch_cute_ops.runtime import shipped_specs  # noqa: E402
 
@@ -20,17 +19,12 @@ def _arch(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
 
 
-def _ptx(spec, tmp_path):
-    compile_spec(spec, dump_dir=tmp_path)
-    (path,) = [p for p in tmp_path.rglob("*.ptx")]
-    return path.read_text()
-
-
 @pytest.mark.parametrize("spec_args", [("bf16", 64, False), ("bf16", 128, True), ("fp16", 256, False)],
                          ids=["bf16-d64", "bf16-d128-causal", "fp16-d256"])
-def test_ptx_is_warp_specialized_wgmma_with_tma(spec_args, tmp_path):
+def test_ptx_is_warp_specialized_wgmma_with_tma(spec_args, variant_ptx):
     dtype, head_dim, causal = spec_args
-    ptx = _ptx(flash_host.bwd_spec(dtype, head_dim, causal), tmp_path)
+    ptx_path = variant_ptx(flash_host.bwd_spec(dtype, head_dim, causal))
+    ptx = ptx_path.read_text()
     assert ".target sm_90a" in ptx
     tile_m, tile_n, _ = flash_host.BWD_TILES[head_dim]
     # per query block, per 64-row WGMMA atom of a warpgroup: S and dP (head_dim / 16 k-steps;
@@ -50,7 +44,6 @@ def test_ptx_is_warp_specialized_wgmma_with_tma(spec_args, tmp_path):
     assert ptx.count("setmaxnreg") == 2  # producer down, MMA warpgroups up
     assert "stmatrix" in ptx
     if shutil.which("ptxas"):  # SASS-level checks where the toolkit is installed
-        ptx_path = next(tmp_path.rglob("*.ptx"))
         report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx_path), "-o", os.devnull],
                                 capture_output=True, text=True, check=True).stderr
         assert "C7515" not in report and "C7512" not in report, "ptxas serialized the WGMMAs"
@@ -65,26 +58,26 @@ def _entry(ptx: str, name_part: str) -> str:
 
 
 @pytest.mark.parametrize("rows", ["dense", "packed"])
-def test_dq_postprocess_stores_whole_vectors(rows, tmp_path):
+def test_dq_postprocess_stores_whole_vectors(rows, variant_ptx):
     """The postprocess moves dQ through shared memory and writes it to global memory in 16-byte
     vectors only: storing each value at its MMA coordinate (2 bytes at a time) made it take
     three times FA4's postprocess (bench/NOTES.md, 2026-11-23,
     "The backward's dQ postprocess; FSDP2 on two H200s")."""
-    post = _entry(_ptx(flash_host.bwd_spec("bf16", 128, False, rows=rows), tmp_path), "postprocess")
+    post = _entry(variant_ptx(flash_host.bwd_spec("bf16", 128, False, rows=rows)).read_text(), "postprocess")
     stores = {line.split()[0] for line in post.splitlines() if line.strip().startswith("st.global")}
     assert stores == {"st.global.v4.b32"}
     assert "ld.global.v4.b32" in post  # the fp32 accumulator read in 16-byte groups
     assert "st.shared" in post and "bar.sync" in post
 
 
-def test_preprocess_zeroes_the_dq_accumulator(tmp_path):
+def test_preprocess_zeroes_the_dq_accumulator(variant_ptx):
     """The host leaves the fp32 dQ accumulator uninitialized: the preprocess's CTAs zero an even
     share of it each (16-byte stores, the share from the grid's size), saving a fill launch."""
     import torch
 
     from torch_cute_ops.runtime.attention import _bwd_workspaces
 
-    pre = _entry(_ptx(flash_host.bwd_spec("bf16", 128, True), tmp_path), "preprocess")
+    pre = _entry(variant_ptx(flash_host.bwd_spec("bf16", 128, True)).read_text(), "preprocess")
     assert "st.global.v4.b32" in pre and "%nctaid.x" in pre and "%nctaid.y" in pre
     calls = []
     real_empty = torch.empty
@@ -101,11 +94,11 @@ def test_family_registered_and_shipped():
     assert os.environ.get("CUTE_DSL_ARCH") == "sm_90a"
 
 
-def test_deterministic_variant_orders_the_dq_adds(tmp_path):
+def test_deterministic_variant_orders_the_dq_adds(variant_ptx):
     """deterministic: the writer waits for its turn (acquire loads of the tile's add count), waits
     for its bulk add to be performed, and releases the count; the default variant does none of it."""
-    ordered = _ptx(flash_host.bwd_spec("bf16", 128, True, deterministic=True), tmp_path / "ordered")
-    plain = _ptx(flash_host.bwd_spec("bf16", 128, True), tmp_path / "plain")
+    ordered = variant_ptx(flash_host.bwd_spec("bf16", 128, True, deterministic=True)).read_text()
+    plain = variant_ptx(flash_host.bwd_spec("bf16", 128, True)).read_text()
     assert "ld.acquire.gpu.global.b32" in ordered and "red.release.gpu.global.add.s32" in ordered
     assert "fence.proxy.async.global" in ordered
     assert "ld.acquire.gpu" not in plain and "red.release.gpu" not in plain
@@ -143,12 +136,12 @@ def test_deterministic_plan_allocates_the_add_counts(monkeypatch):
             assert order.untyped_storage().data_ptr() == placeholder.untyped_storage().data_ptr()
 
 
-def test_kernels_hand_over_with_programmatic_dependent_launch(tmp_path):
+def test_kernels_hand_over_with_programmatic_dependent_launch(variant_ptx):
     """The main kernel and the postprocess are launched early (programmatic dependent launch):
     each waits (griddepcontrol.wait) for the grid before it ahead of its first read of that
     grid's output, and the grid before lets them launch (launch_dependents) once its CTAs are
     under way, so launch latency overlaps the previous kernel's tail instead of following it."""
-    ptx = _ptx(flash_host.bwd_spec("bf16", 128, True), tmp_path)
+    ptx = variant_ptx(flash_host.bwd_spec("bf16", 128, True)).read_text()
     pre, main, post = (_entry(ptx, name) for name in ("preprocess", "_main_kernel", "postprocess"))
     assert "griddepcontrol.launch_dependents" in pre and "griddepcontrol.wait" not in pre
     # the producer before the first lse/delta load, each dQ writer warp before its first add

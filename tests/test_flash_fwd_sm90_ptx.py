@@ -20,20 +20,10 @@ VARIANTS = [("bf16", 128, False), ("bf16", 128, True), ("fp16", 64, False)]
 
 
 @pytest.fixture(scope="module")
-def ptx_by_variant(tmp_path_factory):
-    import os
-
-    from torch_cute_ops.kernels import compile_spec
-
+def ptx_by_variant(variant_ptx):
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    found = {}
-    for dtype, head_dim, causal in VARIANTS:
-        spec = flash_host.fwd_spec(dtype, head_dim, causal)
-        dump = tmp_path_factory.mktemp(f"{dtype}_{head_dim}_{int(causal)}")
-        compile_spec(spec, dump_dir=dump)
-        (ptx,) = dump.glob("*.ptx")
-        found[(dtype, head_dim, causal)] = ptx.read_text()
-    return found
+    return {(dtype, head_dim, causal): variant_ptx(flash_host.fwd_spec(dtype, head_dim, causal)).read_text()
+            for dtype, head_dim, causal in VARIANTS}
 
 
 def wgmma_lines(ptx: str) -> list[str]:

@@ -167,6 +167,7 @@ FP8_SWEEP = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", FP8_SWEEP, ids=lambda s: s.name)
 def test_fp8_ptx(spec, tmp_path):
     _check_variant(spec, tmp_path)

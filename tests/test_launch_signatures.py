@@ -64,8 +64,10 @@ def _check_agreement(spec, args):
 
 
 def _qkv(batch=2, seqlen_q=300, seqlen_k=300, heads=4, kv_heads=4, head_dim=128):
-    q = torch.randn(batch, seqlen_q, heads, head_dim).bfloat16()
-    k, v = (torch.randn(batch, seqlen_k, kv_heads, head_dim).bfloat16() for _ in range(2))
+    """Uninitialized: a launch sees shapes, strides and dtypes only, and filling the long caches
+    below with random numbers took seconds a test."""
+    q = torch.empty(batch, seqlen_q, heads, head_dim, dtype=torch.bfloat16)
+    k, v = (torch.empty(batch, seqlen_k, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(2))
     return q, k, v
 
 
@@ -221,7 +223,7 @@ def test_one_token_decode_from_a_paged_cache_is_prebuilt(launches, batch, heads,
     runs a shipped variant, whatever the batch, capacity, GQA group, split or head dim."""
     q, _, _ = _qkv(batch=batch, seqlen_q=1, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     pages_per_entry = capacity // 256
-    k_cache = torch.randn(batch * pages_per_entry, 256, kv_heads, head_dim).bfloat16()
+    k_cache = torch.empty(batch * pages_per_entry, 256, kv_heads, head_dim, dtype=torch.bfloat16)
     page_table = torch.arange(batch * pages_per_entry, dtype=torch.int32).view(batch, pages_per_entry)
     key_lengths = torch.full((batch,), capacity, dtype=torch.int32)
     rows_view = k_cache.reshape(1, -1, kv_heads, head_dim)

@@ -1,9 +1,11 @@
 """``python -m torch_cute_ops``: the main job, and the ``compile`` command.
 
-    python -m torch_cute_ops
+    python -m torch_cute_ops [--all | --no-compile]
         environment report, which kernels serve this machine, a self-check of every op
         against its reference, and (with a GPU) a short timing table against PyTorch;
-        without a GPU, the compile-only report for sm_90a.
+        without a GPU, a compile check for sm_90a: one variant per kernel family (--all:
+        every shipped variant; --no-compile: none), built into the on-disk kernel cache, so
+        a second run loads them. Ends with a one-line verdict; exit status 1 if anything failed.
 
     python -m torch_cute_ops compile --arch {sm_90a,sm_100a} [--kernel NAME] --ptx-dir DIR
         compiles every kernel variant the package ships for that arch (no GPU needed), writes
@@ -294,7 +296,8 @@ def _startup_report(device: torch.device) -> None:
     from .runtime import cache
 
     print("== start-up")
-    imp = measure.import_cost(runs=3)
+    # a run is two fresh processes importing torch (seconds on a small CPU): one run without a GPU
+    imp = measure.import_cost(runs=3 if device.type == "cuda" else 1)
     heavy = ", ".join(imp["heavy_modules"]) or "neither torch._dynamo nor the CuTe DSL"
     print(f"  {'import torch_cute_ops':<20} +{imp['import_package_s'] * 1e3:.0f} ms over import torch "
           f"({imp['import_torch_s']:.2f} s); loads {heavy}")
@@ -314,7 +317,112 @@ def _startup_report(device: torch.device) -> None:
             f"{name} {us:.1f} ({us / base:.2f}x)" for name, us in row.items()))
 
 
-def main_job() -> int:
+SHORT_NAME_KEYS = ("ab", "dtype", "out", "scale", "head_dim", "causal", "rows", "tile")
+
+
+def short_name(spec) -> str:
+    """A variant in a few words (full names run past 150 characters): its family, its main
+    parameters and the start of its digest (which the kernel cache's file names carry)."""
+    words = [spec.family]
+    for key in SHORT_NAME_KEYS:
+        value = spec.get(key)
+        if isinstance(value, bool):
+            value = int(value)
+        elif isinstance(value, (tuple, list)):
+            value = "x".join(map(str, value))
+        if value is not None:
+            words.append(f"{key}={value}")
+    return " ".join(words) + f" #{spec.digest[:8]}"
+
+
+def representative_specs(arch: str) -> list:
+    """The first shipped variant of each kernel family of ``arch``."""
+    from .runtime import shipped_specs
+
+    first: dict = {}
+    for spec in shipped_specs(arch):
+        first.setdefault(spec.family, spec)
+    return list(first.values())
+
+
+class Progress:
+    """A one-line progress bar: redrawn in place on a terminal, else printed at each tenth."""
+
+    def __init__(self, total: int, out=None, width: int = 24):
+        self.total, self.out, self.width = total, out or sys.stdout, width
+        self.start = time.perf_counter()
+        self.tty = getattr(self.out, "isatty", lambda: False)()
+        self.tenths_shown = 0
+
+    def update(self, done: int, note: str = "") -> None:
+        elapsed = time.perf_counter() - self.start
+        filled = self.width * done // self.total
+        line = f"  [{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total} {elapsed:.0f} s"
+        if 0 < done < self.total:
+            line += f", ~{elapsed / done * (self.total - done):.0f} s left"
+        line = (line + f"  {note}")[:100] if note else line
+        if self.tty:
+            print("\r" + line.ljust(100), end="\n" if done == self.total else "", file=self.out, flush=True)
+        elif done == self.total or 10 * done // self.total > self.tenths_shown:
+            self.tenths_shown = 10 * done // self.total
+            print(line, file=self.out, flush=True)
+
+
+def compile_check(specs: list, out=None) -> list[tuple]:
+    """Build each variant through the kernel cache (memory, prebuilt, on-disk, else compile and
+    store); one (variant, seconds, where it came from, error or None) per variant."""
+    from .runtime import cache
+
+    progress = Progress(len(specs), out)
+    rows = []
+    for done, spec in enumerate(specs, 1):
+        before = (cache.stats.memory_hits, cache.stats.aot_hits, cache.stats.disk_hits, cache.stats.compiles)
+        start, error = time.perf_counter(), None
+        try:
+            cache.get_compiled(spec)
+        except Exception as err:  # noqa: BLE001 (reported per variant; the verdict counts it)
+            first_line = (str(err).strip().splitlines() or [""])[0]
+            error = f"{type(err).__name__}: {first_line[:200]}"
+        after = (cache.stats.memory_hits, cache.stats.aot_hits, cache.stats.disk_hits, cache.stats.compiles)
+        grown = [name for name, b, a in zip(("in memory", "prebuilt", "cached", "compiled"), before, after) if a > b]
+        source = "failed" if error else grown[-1] if grown else "ready"
+        rows.append((spec, time.perf_counter() - start, source, error))
+        progress.update(done, f"{spec.family} #{spec.digest[:8]}")
+    return rows
+
+
+def _compile_arch(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "sm_90a"
+    return {9: "sm_90a", 10: "sm_100a"}.get(torch.cuda.get_device_capability()[0])
+
+
+def _run_compile_check(arch: str, every: bool) -> tuple[int, str]:
+    """The compile check's section; (failures, its words for the verdict)."""
+    from .runtime import cache, shipped_specs
+
+    total = len(shipped_specs(arch))
+    specs = shipped_specs(arch) if every else representative_specs(arch)
+    which = f"all {total}" if every else f"{len(specs)} of {total}"
+    note = "" if every else " (one per kernel family; --all: every one)"
+    if cache.cache_dir() is None:
+        note += " (on-disk cache off: nothing kept)"
+    print(f"== compile check: {which} {arch} variants{note}")
+    rows = compile_check(specs)
+    if len(rows) <= 8:
+        for spec, seconds, source, _ in rows:
+            print(f"  {seconds:4.1f} s {source:<9} {short_name(spec)}")
+    failed = [(spec, error) for spec, _, _, error in rows if error is not None]
+    for spec, error in failed:
+        print(f"  FAIL  {short_name(spec)}: {error}")
+    built = sum(source == "compiled" for _, _, source, _ in rows)
+    summary = (f"compile {len(rows) - len(failed)}/{len(rows)} {arch} ({built} compiled, "
+               f"{len(rows) - built - len(failed)} loaded, {sum(row[1] for row in rows):.0f} s)")
+    return len(failed), summary
+
+
+def main_job(compile_scope: str = "few") -> int:
+    """``compile_scope``: "few" (one variant per family, without a GPU), "all" or "none"."""
     print("== environment")
     for key, value in _environment():
         print(f"  {key:<20} {value}")
@@ -324,22 +432,26 @@ def main_job() -> int:
     for op, what in _kernels_here(device):
         print(f"  {op:<20} {what}")
     print(f"== self-check on {device} against the float64 reference")
+    checks = self_check(device)
     failed = 0
-    for name, err, bound in self_check(device):
+    for name, err, bound in checks:
         ok = err <= bound
         failed += not ok
         print(f"  {'PASS' if ok else 'FAIL'}  {name:<52} rel err {err:.2e} (bound {bound:.0e})")
+    verdict = [f"self-check {len(checks) - failed}/{len(checks)}"]
     if device.type == "cuda":
         print("== timing (median ms, triton.testing.do_bench)")
         print(f"  {'case':<44} {'cute':>8} {'torch':>8} {'speedup':>8}")
         for name, ours, theirs in _timing_table(device):
             print(f"  {name:<44} {ours:8.3f} {theirs:8.3f} {theirs / ours:7.2f}x")
-    else:
-        print("== no GPU here: compile-only report for sm_90a")
-        with tempfile.TemporaryDirectory() as ptx_dir:
-            compile_variants("sm_90a", Path(ptx_dir))
-    print("self-check:", "all passed" if not failed else f"{failed} FAILED")
-    return 1 if failed else 0
+    arch = _compile_arch(device)
+    compile_failed = 0
+    if arch is not None and (compile_scope == "all" or (compile_scope == "few" and device.type != "cuda")):
+        compile_failed, summary = _run_compile_check(arch, compile_scope == "all")
+        verdict.append(summary)
+    bad = failed + compile_failed
+    print(f"verdict: {'OK' if not bad else 'FAILED'} - " + ", ".join(verdict))
+    return 1 if bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,6 +466,11 @@ def main(argv: list[str] | None = None) -> int:
     aot.add_argument("--arch", required=True, action="append", choices=("sm_90a", "sm_100a"))
     aot.add_argument("--out", required=True, type=Path)
     aot.add_argument("--ptx-dir", type=Path, default=None, help="also keep each variant's PTX and cubin here")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--all", dest="compile_scope", action="store_const", const="all", default="few",
+                       help="main job: compile every shipped variant, not one per kernel family")
+    scope.add_argument("--no-compile", dest="compile_scope", action="store_const", const="none",
+                       help="main job: skip the compile check")
     args = parser.parse_args(argv)
     if args.command == "compile":
         rows = compile_variants(args.arch, args.ptx_dir, args.kernel)
@@ -361,4 +478,4 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "aot":
         build_aot(list(dict.fromkeys(args.arch)), args.out, args.ptx_dir)
         return 0
-    return main_job()
+    return main_job(args.compile_scope)
