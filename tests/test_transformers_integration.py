@@ -254,3 +254,32 @@ def test_compiled_static_cache_decode_step_traces_whole(kind):
     written-keys mask, key ranges and the kvcache op trace without a break) and gives sdpa's logits."""
     ref = _static_decode_logits(kind, "sdpa", compiled=False)
     torch.testing.assert_close(_static_decode_logits(kind, "cute", compiled=True), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_mask_verdicts_are_read_once_per_prompt_and_a_continuation_that_gains_a_hole_is_caught(monkeypatch):
+    """The verdict logic eager GPU decoding takes, exercised on the CPU (where a read-back is free
+    and the verdict is normally read every time): a prompt is read back once; its decode steps
+    inherit the verdict without a read-back; a continued mask that gains a hole fails the
+    assertion (on a GPU: a device-side assertion, no sync); a prompt whose rows end in padding is
+    not carried on."""
+    from torch_cute_ops.integrations import transformers as cute_hf
+
+    verdicts = cute_hf._MaskVerdicts()
+    monkeypatch.setattr(cute_hf._MaskVerdicts, "carries", staticmethod(lambda mask: True))
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real_tolist(self))
+    prompt = torch.ones(2, 6, dtype=torch.long)
+    prompt[1, :2] = 0  # left padding: one run per row, every row ends real
+    assert verdicts.get(prompt, 6) == "one run" and len(reads) == 1
+    step = torch.cat([prompt, torch.ones(2, 1, dtype=torch.long)], 1)
+    assert verdicts.get(step, 1) == "one run" and len(reads) == 1  # inherited: no read-back
+    holed = torch.cat([step, torch.ones(2, 1, dtype=torch.long)], 1)
+    holed[0, 3] = 0
+    with pytest.raises(RuntimeError):
+        verdicts.get(holed, 1)
+    right_padded = torch.ones(2, 5, dtype=torch.long)
+    right_padded[0, 3:] = 0
+    assert verdicts.get(right_padded, 5) == "one run" and len(reads) == 2
+    assert verdicts.get(torch.cat([right_padded, torch.ones(2, 1, dtype=torch.long)], 1), 1) == "holes"
+    assert len(reads) == 3  # not carried on: read back, and its hole found

@@ -133,12 +133,17 @@ class _MaskVerdicts:
     def __init__(self):
         self._last: dict[tuple, tuple[int, str | None]] = {}  # (batch, device) -> (keys, verdict carried on)
 
+    @staticmethod
+    def carries(mask: torch.Tensor) -> bool:
+        """Whether a continuation inherits its verdict (where a read-back costs a sync)."""
+        return mask.is_cuda
+
     def get(self, mask: torch.Tensor, new_tokens: int) -> str:
         batch, keys = mask.shape
         where = (batch, mask.device)
         last = self._last.get(where)
         real = mask.bool()
-        if mask.is_cuda and last is not None and last[1] is not None and last[0] + new_tokens == keys:
+        if self.carries(mask) and last is not None and last[1] is not None and last[0] + new_tokens == keys:
             torch._assert_async((_runs(real) <= 1).all(), "attention_mask: a decoding step's 2-D mask gained "
                                 "a hole (more than one run of real tokens in a row)")
             self._last[where] = (keys, last[1])
