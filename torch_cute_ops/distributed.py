@@ -27,6 +27,10 @@ collective:
   appends into its caches in place, so a rule is offered only for the placement the caches
   already have: a cache is never redistributed (that would append into a temporary copy), and
   caches placed otherwise are a ValueError rather than a lost append.
+
+Context parallelism (:func:`context_parallel_attention`): a long sequence split over the ranks,
+each holding a head and a tail chunk (:func:`shard_sequence`), K and V all-gathered, the local
+attention on the kernels.
 """
 
 from __future__ import annotations
@@ -182,3 +186,66 @@ def _flash_attn_kvcache_sharding(*args):
             "placed as it runs: both Replicate, both Shard(2) (heads), or both Shard(0) (batch, contiguous caches "
             f"without cache_batch_idx / page_table); got {k_cache.placements} and {v_cache.placements}")
     return strategies
+
+
+# ------------------------------------------------------------------------ context parallelism
+
+def _chunks(world: int, rank: int) -> tuple[int, int]:
+    """The two of ``2 * world`` equal sequence chunks rank ``rank`` holds: its head and its tail
+    (``rank`` and ``2 * world - 1 - rank``), so that every rank's causal work is the same."""
+    return rank, 2 * world - 1 - rank
+
+
+def shard_sequence(x: torch.Tensor, group=None, seq_dim: int = 1) -> torch.Tensor:
+    """This rank's part of a full (batch, seqlen, ...) tensor for :func:`context_parallel_attention`:
+    its head and tail chunks of ``2 * world`` equal chunks, concatenated (seqlen must divide)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[seq_dim] % (2 * world):
+        raise ValueError(f"x: the sequence ({x.shape[seq_dim]}) must split into {2 * world} equal chunks")
+    chunks = x.chunk(2 * world, dim=seq_dim)
+    return torch.cat([chunks[c] for c in _chunks(world, rank)], dim=seq_dim)
+
+
+def unshard_sequence(local: torch.Tensor, group=None, seq_dim: int = 1) -> torch.Tensor:
+    """The full tensor from every rank's :func:`shard_sequence` part (differentiable)."""
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_gather
+
+    world = dist.get_world_size(group)
+    parts = all_gather(local.contiguous(), group=group)
+    placed = [None] * (2 * world)
+    for rank, part in enumerate(parts):
+        head, tail = part.chunk(2, dim=seq_dim)
+        placed[_chunks(world, rank)[0]], placed[_chunks(world, rank)[1]] = head, tail
+    return torch.cat(placed, dim=seq_dim)
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
+                               causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
+    """Attention over a sequence split across the ranks of ``group``: q, k, v are this rank's
+    :func:`shard_sequence` parts, (batch, 2 * chunk, heads, head_dim); returns this rank's part
+    of the output, as the unsplit ``flash_attn_func(q, k, v, causal=causal)`` would give it.
+
+    K and V are all-gathered (their gradients reduce-scattered back by autograd), and each of the
+    rank's two query chunks attends, on the kernels, to the keys up to its own end (causal aligned
+    bottom-right) or to all of them; with causal load balancing every rank does the same work.
+    Forward and backward; the backward's dK and dV of the gathered keys flow back to their ranks.
+    """
+    import torch.distributed as dist
+
+    from .functional import flash_attn_func
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if q.shape[1] % 2 or q.shape[1] != k.shape[1]:
+        raise ValueError(f"q: expected this rank's head and tail chunks of one length (an even seqlen equal to "
+                         f"k's), got {q.shape[1]} and {k.shape[1]}")
+    chunk = q.shape[1] // 2
+    full_k, full_v = (unshard_sequence(t, group) for t in (k, v))
+    outs = []
+    for piece, index in zip(q.split(chunk, dim=1), _chunks(world, rank)):
+        end = (index + 1) * chunk if causal else full_k.shape[1]
+        outs.append(flash_attn_func(piece, full_k[:, :end], full_v[:, :end], softmax_scale=softmax_scale,
+                                    causal=causal))
+    return torch.cat(outs, dim=1)
