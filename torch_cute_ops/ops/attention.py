@@ -182,6 +182,11 @@ def _optional_key(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
+def layout_key(*tensors) -> tuple:
+    """What a plan reads of each tensor (None for one not given): shape, strides, dtype, device."""
+    return tuple(_optional_key(t) for t in tensors)
+
+
 def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0,
                         key_start=None, key_end=None, attn_mask=None, *, deterministic=False):
     # ``deterministic`` selects the backward's variant only (autograd carries it there)
@@ -210,7 +215,8 @@ def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window
         if reason is None:
             out, lse = written_in_full(_fwd_outputs_like, q)
             if padded:
-                plan.padded(q, k, v, bounds.dense(key_start), bounds.dense(key_end), out, lse, softmax_scale, left, right, softcap)
+                plan.padded(q, k, v, bounds.dense(key_start), bounds.dense(key_end), out, lse, softmax_scale, left,
+                            right, softcap)
             elif attn_mask is not None:
                 plan.masked(q, k, v, attn_mask, out, lse, softmax_scale)
             else:
@@ -318,8 +324,8 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
         if reason is None:
             dq, dk, dv = written_in_full(empty_grads, q, k, v)
             if key_start is not None:
-                plan.padded(dout, q, k, v, out, lse.contiguous(), bounds.dense(key_start), bounds.dense(key_end), dq, dk, dv, softmax_scale,
-                            left, right, softcap)
+                plan.padded(dout, q, k, v, out, lse.contiguous(), bounds.dense(key_start), bounds.dense(key_end), dq,
+                            dk, dv, softmax_scale, left, right, softcap)
             elif attn_mask is not None:
                 plan.masked(dout, q, k, v, out, lse.contiguous(), attn_mask, dq, dk, dv, softmax_scale)
             else:

@@ -29,7 +29,7 @@ from ..reference import attention as reference
 from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
 from ..runtime.lasting import lasting
 from . import bounds, checks, dispatch, fallback
-from .attention import _remember, _validate_softcap, keys_key, validate_qkv_common, validate_scale
+from .attention import _remember, _validate_softcap, keys_key, layout_key, validate_qkv_common, validate_scale
 from .schemas import lib, qualname, register_impl
 
 _LAYOUT = "(batch, seqlen, heads, head_dim)"
@@ -189,10 +189,6 @@ def _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_left
     return _remember(_plans, key, plan)
 
 
-def _exact_key(*tensors) -> tuple:
-    return tuple((t.shape, t.stride(), t.dtype, t.device) if t is not None else None for t in tensors)
-
-
 def _planning_key(exact: tuple, k_cache, v_cache, page_table, cache_batch_idx) -> tuple:
     """What validation and planning read of the tensors. A contiguous cache read directly (no page
     table, no cache_batch_idx: transformers' caches, which grow by a key a step) enters by
@@ -212,7 +208,7 @@ def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
     capacity = _capacity(k_cache, page_table)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], capacity)
-    exact = (*_exact_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad),
+    exact = (*layout_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad),
              band_causal, local, softcap_kind(softcap, q.dtype))
     plan = _exact_plans.get(exact, False)
     if plan is False:

@@ -14,16 +14,15 @@ tracing, where the values do not exist yet.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ..reference import attention as reference
 from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
+from ..runtime.lasting import PerTensor
 from ..runtime.tma import tma_reason
 from ..runtime.unfilled import written_in_full
 from . import bounds, checks, dispatch, fallback
-from .attention import _remember, _validate_softcap, empty_grads, validate_qkv_common, validate_scale
+from .attention import _remember, _validate_softcap, empty_grads, layout_key, validate_qkv_common, validate_scale
 from .schemas import lib, qualname, register_impl
 
 _LAYOUT = "(total_seqlen, heads, head_dim)"
@@ -47,9 +46,8 @@ def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise ValueError(f"{name}: expected a length >= 0, got {value}")
 
 
-# id(cu_seqlens) -> (weak reference, version, packed length, longest sequence) of tensors whose
-# contents passed: keyed on all the check read (the tensor's values and the packed length)
-_checked: dict[int, tuple] = {}
+# per cu_seqlens tensor and version, and the packed length the check read: its longest sequence
+_longest = PerTensor()
 
 
 def _can_read_values(*tensors) -> bool:
@@ -58,33 +56,30 @@ def _can_read_values(*tensors) -> bool:
     return not (tensors[0].is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+def _read_seqlens(name: str, cu: torch.Tensor, total: int) -> int:
+    """The contents of one cu_seqlens against the packed length (a read-back); its longest sequence."""
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name}: must start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name}: must be non-decreasing (sequence lengths >= 0), got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{name}: the last entry ({values[-1]}) must equal the packed length ({total})")
+    return max(lengths, default=0)
+
+
 def _check_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str) -> None:
-    """The contents of one cu_seqlens (read back once per tensor version)."""
-    entry = _checked.get(id(cu))
-    if entry is None or entry[0]() is not cu or entry[1] != cu._version or entry[2] != total:
-        values = cu.tolist()
-        if values[0] != 0:
-            raise ValueError(f"{name}: must start at 0, got {values[0]}")
-        lengths = [b - a for a, b in zip(values, values[1:])]
-        if any(n < 0 for n in lengths):
-            raise ValueError(f"{name}: must be non-decreasing (sequence lengths >= 0), got {values}")
-        if values[-1] != total:
-            raise ValueError(f"{name}: the last entry ({values[-1]}) must equal the packed length ({total})")
-        if len(_checked) >= 1024:
-            _checked.clear()
-        entry = _checked[id(cu)] = (weakref.ref(cu), cu._version, total, max(lengths, default=0))
-    if entry[3] > max_seqlen:
-        raise ValueError(f"{max_name}: {max_seqlen} is shorter than the longest sequence ({entry[3]})")
+    """The contents of one cu_seqlens (read back once per tensor version and packed length)."""
+    longest = _longest.get(cu, total, lambda: _read_seqlens(name, cu, total))
+    if longest > max_seqlen:
+        raise ValueError(f"{max_name}: {max_seqlen} is shorter than the longest sequence ({longest})")
 
 
 def _check_contents(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
     if _can_read_values(cu_seqlens_q, cu_seqlens_k):
         _check_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
         _check_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
-
-
-def _layout_key(*tensors):
-    return tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
 
 
 # ---------------------------------------------------------------------------------- forward
@@ -119,7 +114,7 @@ def flash_attn_varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     if softcap != 0.0:  # a value, not part of the plan's key: checked on every call
         _validate_softcap(softcap)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, max_seqlen_q, max_seqlen_k)
-    key = (*_layout_key(q, k, v, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap_kind(softcap, q.dtype))
+    key = (*layout_key(q, k, v, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap_kind(softcap, q.dtype))
     plan = _fwd_plans.get(key, False)
     if plan is False:
         plan = _make_fwd_plan(key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, band_causal,
@@ -129,8 +124,8 @@ def flash_attn_varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         reason = pointer_reason(("q", q), ("k", k), ("v", v))
         if reason is None:
             out, lse = written_in_full(_fwd_outputs_like, q)
-            plan.packed(q, k, v, bounds.dense(cu_seqlens_q), bounds.dense(cu_seqlens_k), int(max_seqlen_q), int(max_seqlen_k), out, lse,
-                        softmax_scale, left, right, softcap)
+            plan.packed(q, k, v, bounds.dense(cu_seqlens_q), bounds.dense(cu_seqlens_k), int(max_seqlen_q),
+                        int(max_seqlen_k), out, lse, softmax_scale, left, right, softcap)
             return out, lse
         plan = reason
     if plan is None:  # nothing to compute
@@ -214,7 +209,7 @@ def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
     if softcap != 0.0:
         _validate_softcap(softcap)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, max_seqlen_q, max_seqlen_k)
-    key = (*_layout_key(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap != 0.0,
+    key = (*layout_key(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap != 0.0,
            deterministic or torch.are_deterministic_algorithms_enabled())
     plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                  max_seqlen_q, max_seqlen_k, band_causal, local, softcap)

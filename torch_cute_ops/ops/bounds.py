@@ -25,14 +25,13 @@ the compiled graph calls the op with real tensors, which checks them then.
 from __future__ import annotations
 
 import itertools
-import weakref
 
 import torch
 
-# id(tensor) -> (weak reference, version, serial, {bound: True}) for tensors whose values passed;
-# the serial names one tensor's one version for ever (ids and versions are reused)
-_checked: dict[int, tuple] = {}
-_MAX_CHECKED = 4096
+from ..runtime.lasting import PerTensor
+
+# per tensor and version: its serial, and the bounds its values passed (True)
+_records = PerTensor()
 _serials = itertools.count()
 
 
@@ -47,40 +46,25 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _entry(t: torch.Tensor) -> tuple:
-    """t's record for its current version (a new, empty one if it has none)."""
-    entry = _checked.get(id(t))
-    if entry is None or entry[0]() is not t or entry[1] != t._version:
-        if len(_checked) >= _MAX_CHECKED:
-            _checked.clear()
-        entry = _checked[id(t)] = (weakref.ref(t, lambda _, key=id(t): _forget(key)), t._version,
-                                   next(_serials), {})
-    return entry
-
-
 def serial(t: torch.Tensor) -> int:
-    """A number naming ``t`` as it is now, never reused: for a bound that involves another
-    tensor's values (``start <= end``)."""
-    return _entry(t)[2]
+    """A number naming ``t`` as it is now (this version), never reused: for a bound that involves
+    another tensor's values (``start <= end``)."""
+    return _records.get(t, "serial", lambda: next(_serials))
+
+
+def _recorded(t: torch.Tensor, bound) -> bool:
+    return _records.get(t, bound, lambda: False, keep=False)
 
 
 def was_checked(t: torch.Tensor, bound) -> bool:
     """``t``'s current values passed the check named by ``bound`` (a hashable of every value the
     check read besides ``t``). Never during a CUDA-graph capture: replays must check."""
-    entry = _checked.get(id(t))
-    return (entry is not None and entry[0]() is t and entry[1] == t._version and bound in entry[3]
-            and not _capturing(t))
+    return not _capturing(t) and _recorded(t, bound)
 
 
 def mark_checked(t: torch.Tensor, bound) -> None:
     """Record that ``t``'s current values satisfy ``bound``."""
-    _entry(t)[3][bound] = True
-
-
-def _forget(key: int) -> None:
-    entry = _checked.get(key)
-    if entry is not None and entry[0]() is None:
-        del _checked[key]
+    _records.get(t, bound, lambda: True)
 
 
 def require(ok: torch.Tensor, message: str, values: torch.Tensor | None = None) -> None:
@@ -95,6 +79,11 @@ def require(ok: torch.Tensor, message: str, values: torch.Tensor | None = None) 
         raise ValueError(message)
 
 
+def _within(low: int, high, offset: int) -> tuple:
+    """The bound ``low <= t <= high + offset`` as a record's key (a tensor ``high`` by its serial)."""
+    return ("within", low, ("tensor", serial(high)) if isinstance(high, torch.Tensor) else high, offset)
+
+
 def check_within(name: str, t: torch.Tensor, low: int, high, what: str, offset: int = 0,
                  in_graphs: bool = True) -> None:
     """``low <= t <= high + offset`` elementwise, ``high`` an int or a tensor that broadcasts with
@@ -103,10 +92,13 @@ def check_within(name: str, t: torch.Tensor, low: int, high, what: str, offset: 
     ``in_graphs=False``: not captured into CUDA graphs, for values that only bound TMA loads of
     one tensor (out-of-range coordinates read zeros, never another tensor's memory), where a
     serving loop's replays should not pay for the check's launches."""
-    if not readable(t, high if isinstance(high, torch.Tensor) else None) or (not in_graphs and _capturing(t)):
+    if not readable(t, high if isinstance(high, torch.Tensor) else None):
         return
-    bound = ("within", low, ("tensor", serial(high)) if isinstance(high, torch.Tensor) else high, offset)
-    if was_checked(t, bound):
+    capturing = _capturing(t)
+    if capturing and not in_graphs:
+        return
+    bound = _within(low, high, offset)
+    if not capturing and _recorded(t, bound):
         return
     upper = high + offset if offset else high
     require((t >= low) & (t <= upper), f"{name}: every value must lie in [{low}, {what}]", t)
@@ -116,8 +108,7 @@ def check_within(name: str, t: torch.Tensor, low: int, high, what: str, offset: 
 def mark_within(t: torch.Tensor, low: int, high, offset: int = 0) -> None:
     """Record that the package made ``t`` within these bounds (:func:`check_within` then skips it)."""
     if readable(t, high if isinstance(high, torch.Tensor) else None):
-        mark_checked(t, ("within", low, ("tensor", serial(high)) if isinstance(high, torch.Tensor) else high,
-                         offset))
+        mark_checked(t, _within(low, high, offset))
 
 
 def dense(t: torch.Tensor | None) -> torch.Tensor | None:

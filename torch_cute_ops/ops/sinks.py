@@ -22,7 +22,8 @@ from . import checks
 def validate_sink(sink, q: torch.Tensor, heads_dim: int) -> None:
     """``sink``: float32 / bf16 / fp16, shape (heads_q,), on q's device."""
     if not isinstance(sink, torch.Tensor):
-        raise TypeError(f"learnable_sink: expected a tensor of shape ({q.shape[heads_dim]},), got {type(sink).__name__}")
+        raise TypeError(f"learnable_sink: expected a tensor of shape ({q.shape[heads_dim]},), "
+                        f"got {type(sink).__name__}")
     checks.require_dtype("learnable_sink", sink, (torch.float32, torch.bfloat16, torch.float16, torch.float64))
     if sink.shape != (q.shape[heads_dim],):
         raise ValueError(f"learnable_sink: expected shape ({q.shape[heads_dim]},) (one logit per query head), got "
