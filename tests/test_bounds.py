@@ -115,3 +115,19 @@ def test_strided_index_tensors_reach_the_kernels_contiguous():
     lengths = torch.arange(8, dtype=torch.int32)[::2]
     assert not lengths.is_contiguous() and bounds.dense(lengths).is_contiguous()
     assert bounds.dense(lengths).tolist() == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("shapes", [((1, 1, 0, 64), (1, 1, 1, 64)), ((1, 0, 2, 64), (1, 5, 2, 64)),
+                                    ((1, 3, 2, 64), (1, 0, 2, 64)), ((0, 3, 2, 64), (0, 3, 2, 64))])
+def test_backward_never_plans_a_launch_without_rows_heads_or_keys(monkeypatch, shapes):
+    """A backward with no query heads (q (1, 1, 0, 64) against one kv head passes the GQA check)
+    once reached the kernel with an empty grid (CUDA invalid value); no rows, heads or keys
+    means no launch."""
+    from torch_cute_ops.runtime import attention as host
+
+    monkeypatch.setattr(host, "get_compiled", lambda spec: spec)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    q_shape, k_shape = shapes
+    q, k = torch.randn(q_shape).half(), torch.randn(k_shape).half()
+    assert isinstance(host.plan_bwd(q, k, k, False), str)
+    assert isinstance(host.plan_bwd(q.flatten(0, 1), k.flatten(0, 1), k.flatten(0, 1), False, rows="packed"), str)

@@ -681,8 +681,8 @@ def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False,
     (dout and out, loaded like q, are checked by the op layer). ``rows`` as in :func:`plan_fwd`."""
     if rows == "packed":
         q, k, v = q[None], k[None], v[None]
-    if min(q.shape[0], q.shape[1], k.shape[1]) == 0:
-        return "flash_bwd_sm90 needs non-empty batch and sequences"
+    if q.numel() == 0 or k.shape[1] == 0:  # no rows, heads or keys: no grid to launch
+        return "flash_bwd_sm90 needs non-empty batch, heads and sequences"
     reason = qkv_coverage_reason("flash_bwd_sm90", q, k, v)
     if reason:
         return reason
