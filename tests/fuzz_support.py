@@ -190,7 +190,7 @@ def assert_matches(name: str, ours: torch.Tensor, ref: torch.Tensor, atol, rtol:
     infinite = torch.isinf(ref)
     assert torch.equal(infinite, torch.isinf(ours)) and torch.equal(ours[infinite], ref[infinite]), \
         f"{name}: infinities differ from the reference's"
-    bound = torch.as_tensor(atol, dtype=torch.float64).expand_as(ref) + rtol * ref.abs()
+    bound = torch.as_tensor(atol).to("cpu", torch.float64).expand_as(ref) + rtol * ref.abs()  # atol may live on the GPU
     error = torch.where(infinite, 0.0, (ours - ref).abs())
     bad = error > bound
     if bad.any():

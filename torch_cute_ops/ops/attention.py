@@ -88,6 +88,20 @@ def validate_scale(softmax_scale) -> None:
         raise ValueError(f"softmax_scale: expected a finite number, got {softmax_scale}")
 
 
+# The kernels keep raw scores and their row max and mask with -inf, so they need a positive scale:
+# a negative one turns the max into a min and masked scores into +inf, a zero one masked scores into
+# NaN (0 * -inf). softmax(c q.k) = softmax(|c| (-q).k) covers c < 0; c = 0 runs as 2^-100, which
+# leaves every finite score's exponent at 0 in fp32 (|s| < 2^70) and a masked one at -inf.
+ZERO_SCALE = 2.0**-100
+
+
+def positive_scale(q, softmax_scale) -> tuple:
+    """(q, scale) for the kernels: ``softmax_scale`` if positive, else as the comment above says."""
+    if softmax_scale > 0.0:
+        return q, softmax_scale
+    return (q, ZERO_SCALE) if softmax_scale == 0.0 else (torch.neg(q), -softmax_scale)
+
+
 def _validate_softcap(softcap) -> None:
     if not softcap >= 0.0 or softcap == float("inf"):
         raise ValueError(f"softcap: expected a finite value >= 0 (0 = off), got {softcap}")
@@ -195,6 +209,8 @@ def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window
     validate_scale(softmax_scale)
     if softcap != 0.0:  # a value, not part of the plan's key: checked on every call
         _validate_softcap(softcap)
+    if softmax_scale <= 0.0 and q.is_cuda:
+        q, softmax_scale = positive_scale(q, softmax_scale)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
     padded = key_start is not None
     flags = (band_causal, local, softcap_kind(softcap, q.dtype), _optional_key(key_start), _optional_key(key_end),
@@ -310,6 +326,13 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
     validate_scale(softmax_scale)
     if softcap != 0.0:
         _validate_softcap(softcap)
+    if softmax_scale < 0.0 and q.is_cuda:  # d/dq of (-q) is -1
+        dq, dk, dv = _flash_attn_bwd(dout, torch.neg(q), k, v, out, lse, -softmax_scale, causal, window_left,
+                                     window_right, softcap, key_start, key_end, attn_mask,
+                                     deterministic=deterministic)
+        return torch.neg(dq), dk, dv
+    if softmax_scale == 0.0 and q.is_cuda:
+        softmax_scale = ZERO_SCALE
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
     key = (*_qkv_key(q, k, v), dout.shape, dout.stride(), dout.dtype, out.shape, out.stride(), out.dtype,
            lse.shape, lse.dtype, lse.device, band_causal, local, softcap != 0.0,

@@ -29,7 +29,8 @@ from ..reference import attention as reference
 from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
 from ..runtime.lasting import lasting
 from . import bounds, checks, dispatch, fallback
-from .attention import _remember, _validate_softcap, keys_key, layout_key, validate_qkv_common, validate_scale
+from .attention import (_remember, _validate_softcap, keys_key, layout_key, positive_scale, validate_qkv_common,
+                        validate_scale)
 from .schemas import lib, qualname, register_impl
 
 _LAYOUT = "(batch, seqlen, heads, head_dim)"
@@ -203,6 +204,8 @@ def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
     validate_scale(softmax_scale)
     if softcap != 0.0:  # a value, not part of the plan's key: checked on every call
         _validate_softcap(softcap)
+    if softmax_scale <= 0.0 and q.is_cuda:
+        q, softmax_scale = positive_scale(q, softmax_scale)
     if q.dim() != 4 or k_cache.dim() != 4 or (page_table is not None and page_table.dim() != 2):
         # the named error, before the sizes below are read
         _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)

@@ -22,7 +22,8 @@ from ..runtime.lasting import PerTensor
 from ..runtime.tma import tma_reason
 from ..runtime.unfilled import written_in_full
 from . import bounds, checks, dispatch, fallback
-from .attention import _remember, _validate_softcap, empty_grads, layout_key, validate_qkv_common, validate_scale
+from .attention import (ZERO_SCALE, _remember, _validate_softcap, empty_grads, layout_key, positive_scale,
+                        validate_qkv_common, validate_scale)
 from .schemas import lib, qualname, register_impl
 
 _LAYOUT = "(total_seqlen, heads, head_dim)"
@@ -113,6 +114,8 @@ def flash_attn_varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     validate_scale(softmax_scale)
     if softcap != 0.0:  # a value, not part of the plan's key: checked on every call
         _validate_softcap(softcap)
+    if softmax_scale <= 0.0 and q.is_cuda:
+        q, softmax_scale = positive_scale(q, softmax_scale)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, max_seqlen_q, max_seqlen_k)
     key = (*layout_key(q, k, v, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap_kind(softcap, q.dtype))
     plan = _fwd_plans.get(key, False)
@@ -208,6 +211,13 @@ def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
     validate_scale(softmax_scale)
     if softcap != 0.0:
         _validate_softcap(softcap)
+    if softmax_scale < 0.0 and q.is_cuda:  # d/dq of (-q) is -1
+        dq, dk, dv = _flash_attn_varlen_bwd(dout, torch.neg(q), k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                            max_seqlen_q, max_seqlen_k, -softmax_scale, causal, window_left,
+                                            window_right, softcap, deterministic=deterministic)
+        return torch.neg(dq), dk, dv
+    if softmax_scale == 0.0 and q.is_cuda:
+        softmax_scale = ZERO_SCALE
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, max_seqlen_q, max_seqlen_k)
     key = (*layout_key(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), band_causal, local, softcap != 0.0,
            deterministic or torch.are_deterministic_algorithms_enabled())
