@@ -35,7 +35,7 @@ def launches(monkeypatch):
     for name in ("zeros", "empty"):  # the placeholders are made for "cuda": make them here
         make = getattr(torch, name)
         monkeypatch.setattr(torch, name, functools.partial(_on_cpu, make))
-    for name in ("_unused_counter", "_mask_placeholders", "_split_placeholders", "_unused_float"):
+    for name in ("_unused_counter", "_mask_placeholders", "_split_placeholders"):
         monkeypatch.setattr(flash_host, name, getattr(flash_host, name).__wrapped__)
     return calls
 

@@ -322,7 +322,7 @@ def _make_bwd_plan(key, dout, q, k, v, out, lse, causal, local, softcap, key_sta
             or tma_reason("out", out, (3,), check_pointer=False)
             or _masked_reason(causal, local, softcap, key_start, attn_mask)
             or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows=rows, attn_mask=host.mask_kind(attn_mask),
-                             deterministic=key[-1], sink=dsink is not None))
+                             deterministic=key[-1], sink=sinks.fused_grad(dsink, key[-1])))
     return _remember(_bwd_plans, key, plan)
 
 
@@ -349,7 +349,7 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
         reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
             dq, dk, dv = written_in_full(empty_grads, q, k, v)
-            sink = {} if dsink is None else {"sink": sinks.for_kernels(learnable_sink), "dsink": dsink}
+            sink = sinks.bwd_kernel_args(learnable_sink, dsink, key[-1])
             if key_start is not None:
                 plan.padded(dout, q, k, v, out, lse.contiguous(), bounds.dense(key_start), bounds.dense(key_end), dq,
                             dk, dv, softmax_scale, left, right, softcap, **sink)
@@ -357,12 +357,13 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
                 plan.masked(dout, q, k, v, out, lse.contiguous(), attn_mask, dq, dk, dv, softmax_scale, **sink)
             else:
                 plan(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, softmax_scale, left, right, softcap, **sink)
+            if not sink:  # deterministic: not in the kernel
+                sinks.add_grad(dsink, learnable_sink, dout, out, lse)
             return dq, dk, dv
         plan = reason
     if plan != "cpu":
         fallback.note("flash_attn_bwd", plan)
-    if dsink is not None:
-        dsink += sinks.sink_grad(dout, out, lse, learnable_sink)
+    sinks.add_grad(dsink, learnable_sink, dout, out, lse)
     return reference.flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
                                     softcap, key_start, key_end, attn_mask)
 

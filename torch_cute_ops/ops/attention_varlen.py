@@ -221,7 +221,7 @@ def _make_bwd_plan(key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max
             tma_reason("dout", dout, (2,), check_pointer=False)
             or tma_reason("out", out, (2,), check_pointer=False)
             or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows="packed", deterministic=key[-1],
-                             sink=dsink is not None))
+                             sink=sinks.fused_grad(dsink, key[-1])))
     return _remember(_bwd_plans, key, plan)
 
 
@@ -245,15 +245,16 @@ def _flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
         reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
             dq, dk, dv = written_in_full(empty_grads, q, k, v)
-            sink = {} if dsink is None else {"sink": sinks.for_kernels(learnable_sink), "dsink": dsink}
+            sink = sinks.bwd_kernel_args(learnable_sink, dsink, key[-1])
             plan.packed(dout, q, k, v, out, lse.contiguous(), bounds.dense(cu_seqlens_q), bounds.dense(cu_seqlens_k),
                         int(max_seqlen_q), int(max_seqlen_k), dq, dk, dv, softmax_scale, left, right, softcap, **sink)
+            if not sink:  # deterministic: not in the kernel
+                sinks.add_grad(dsink, learnable_sink, dout, out, lse, packed=True)
             return dq, dk, dv
         plan = reason
     if plan != "cpu":
         fallback.note("flash_attn_varlen_bwd", plan)
-    if dsink is not None:
-        dsink += sinks.sink_grad(dout, out, lse, learnable_sink, packed=True)
+    sinks.add_grad(dsink, learnable_sink, dout, out, lse, packed=True)
     return reference.flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale,
                                            causal, window_left, window_right, softcap)
 

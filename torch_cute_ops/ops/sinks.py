@@ -73,6 +73,23 @@ def for_kernels(sink: torch.Tensor) -> torch.Tensor:
     return sink if sink.dtype == torch.float32 and sink.is_contiguous() else sink.float().contiguous()
 
 
+def fused_grad(dsink, deterministic: bool) -> bool:
+    """Whether the backward kernel forms the sinks' gradient: asked for, and not in deterministic
+    mode, where its CTAs' fp32 sums would land in any order (:func:`add_grad` forms it there)."""
+    return dsink is not None and not deterministic
+
+
+def bwd_kernel_args(sink, dsink, deterministic: bool) -> dict:
+    """The backward launch's sink arguments (:func:`fused_grad`): the sinks and the gradient."""
+    return {"sink": for_kernels(sink), "dsink": dsink} if fused_grad(dsink, deterministic) else {}
+
+
+def add_grad(dsink, sink, dout, out, lse, packed: bool = False) -> None:
+    """``dsink += `` the sinks' gradient by two reductions over dout and out (where no kernel adds it)."""
+    if dsink is not None:
+        dsink += sink_grad(dout, out, lse, sink, packed)
+
+
 def validate_sink_grad(dsink, sink, lse: torch.Tensor, heads: int) -> None:
     """``dsink`` (the backward ops' gradient to add to): given only with ``learnable_sink``, a
     contiguous (heads,) tensor of lse's dtype on its device."""

@@ -302,22 +302,12 @@ def num_splits_for(tiles: int, key_blocks: int, sms: int) -> int:
     return max(1, min(key_blocks, sms // 2 // tiles))
 
 
-@lasting
-def _unused_float(device_index: int) -> torch.Tensor:
-    """What a variant without sinks gets for the fp32 sinks (and their gradient) it never reads."""
-    return torch.zeros((1,), dtype=torch.float32, device=torch.device("cuda", device_index))
-
-
 def sink_rows(sink: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """The sinks (H_q,) fp32, contiguous, as a forward kernel reads them: lse's shape as the kernel
     takes it, zero strides but the heads'. One-token pack-GQA takes lse as (B, H_kv, group), query
     head ``h * group + j`` at (h, j) (:func:`packed_gqa_views`)."""
     group = sink.shape[0] // lse.shape[1]
     return sink.as_strided(lse.shape, (0, group, 1) if group > 1 else (0, 1, 0))
-
-
-def _sink_arg(sink, lse, device_index: int) -> torch.Tensor:
-    return _unused_float(device_index).view(1, 1, 1) if sink is None else sink_rows(sink, lse)
 
 
 def no_key_lse(lse: torch.Tensor, sink) -> None:
@@ -449,6 +439,13 @@ class FlashFwdLaunch:
         return (torch.empty((self.splits * b, s, h, d), dtype=torch.float32, device=q.device),
                 torch.empty((self.splits * b, h, s), dtype=torch.float32, device=q.device), self.splits)
 
+    def _sink_arg(self, sink, lse, q) -> torch.Tensor:
+        """What the kernel gets for the sinks: :func:`sink_rows`, or (a variant without sinks) the
+        unread split-KV lse placeholder, an fp32 tensor of the same rank."""
+        if sink is None:
+            return _split_placeholders(self.device_index, q.shape[-1])[1]
+        return sink_rows(sink, lse)
+
     def masked(self, q, k, v, attn_mask, out, lse, softmax_scale: float, sink=None) -> None:
         """PyTorch's attn_mask (bool or additive, broadcastable to (B, H_q, S_q, S_k)); the plan's
         variant is masked. Key blocks the mask leaves empty are never loaded."""
@@ -463,7 +460,7 @@ class FlashFwdLaunch:
         self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0,
                 *_mask_args(attn_mask, bits, b, h, s_q, s_k, self.device_index),
                 blocks.expand(b, h, m_blocks, n_blocks), ranges.expand(b, h, m_blocks, 2), softmax_scale, 0, 0,
-                0.0, self.grid, *self._split_args(q), _sink_arg(sink, lse, self.device_index))
+                0.0, self.grid, *self._split_args(q), self._sink_arg(sink, lse, q))
 
     def __call__(self, q, k, v, out, lse, softmax_scale: float, window_left: int = 0, window_right: int = 0,
                  softcap: float = 0.0, sink=None) -> None:
@@ -475,7 +472,7 @@ class FlashFwdLaunch:
         counter = _tile_counter(q.device) if self.dynamic else unused
         self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right,
-                softcap, self.grid, *self._split_args(q), _sink_arg(sink, lse, self.device_index))
+                softcap, self.grid, *self._split_args(q), self._sink_arg(sink, lse, q))
 
     def padded(self, q, k, v, key_start, key_end, out, lse, softmax_scale: float, window_left: int = 0,
                window_right: int = 0, softcap: float = 0.0, sink=None) -> None:
@@ -488,7 +485,7 @@ class FlashFwdLaunch:
         counter = _tile_counter(q.device)
         self.fn(q, k, v, out, lse, counter, key_start, key_end, 0, 0, *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right,
-                softcap, self.grid, *self._split_args(q), _sink_arg(sink, lse, self.device_index))
+                softcap, self.grid, *self._split_args(q), self._sink_arg(sink, lse, q))
 
     def kvcache(self, q, k_cache, v_cache, key_lengths, page_table, page_size: int, out, lse, softmax_scale: float,
                 window_left: int = 0, window_right: int = 0, softcap: float = 0.0, sink=None) -> None:
@@ -504,7 +501,7 @@ class FlashFwdLaunch:
         v_rows = v_cache.reshape(1, rows, *v_cache.shape[2:])
         self.fn(q, k_rows, v_rows, out, lse, counter, page_table.reshape(-1), key_lengths, page_table.shape[1],
                 page_size, *_mask_placeholders(self.device_index), softmax_scale, window_left, window_right,
-                softcap, self.grid, *self._split_args(q), _sink_arg(sink, lse, self.device_index))
+                softcap, self.grid, *self._split_args(q), self._sink_arg(sink, lse, q))
 
     def ranged(self, q, k, v, key_start, key_end, out, lse, softmax_scale: float, window_left: int = 0,
                window_right: int = 0, softcap: float = 0.0, sink=None) -> None:
@@ -516,7 +513,7 @@ class FlashFwdLaunch:
         counter = _tile_counter(q.device)
         self.fn(q, k, v, out, lse, counter, key_start, key_end, 0, 0, *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right, softcap, self.grid, *self._split_args(q),
-                _sink_arg(sink, lse, self.device_index))
+                self._sink_arg(sink, lse, q))
 
     def packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, out, lse,
                softmax_scale: float, window_left: int = 0, window_right: int = 0, softcap: float = 0.0,
@@ -527,7 +524,7 @@ class FlashFwdLaunch:
         counter = _tile_counter(q.device)
         self.fn(q[None], k[None], v[None], out[None], lse[None], counter, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k, *_mask_placeholders(self.device_index), softmax_scale, window_left,
-                window_right, softcap, self.grid, *self._split_args(q), _sink_arg(sink, lse[None], self.device_index))
+                window_right, softcap, self.grid, *self._split_args(q), self._sink_arg(sink, lse[None], q))
 
 
 def kvcache_config(head_dim: int, page_size: int | None) -> FwdConfig | str:
@@ -648,7 +645,7 @@ class FlashBwdLaunch:
     def _sink_args(self, sink, dsink) -> tuple:
         """(sinks, their gradient), fp32 (H_q,) contiguous, the gradient added to; or placeholders."""
         if sink is None:
-            unused = _unused_float(self.device_index)
+            unused = self.unused.view(torch.float32)  # never read: the int32 placeholder's bytes
             return unused, unused
         return sink, dsink
 
