@@ -14,8 +14,8 @@ SCHEMAS = {
             "ScalarType? out_dtype=None, float alpha=1.0) -> Tensor",
     "flash_attn_fwd": "flash_attn_fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
                       "SymInt? window_left=None, SymInt? window_right=None, float softcap=0.0, "
-                      "Tensor? key_start=None, Tensor? key_end=None, Tensor? attn_mask=None, Tensor? learnable_sink=None, "
-                      "*, bool deterministic=False) -> (Tensor out, Tensor lse)",
+                      "Tensor? key_start=None, Tensor? key_end=None, Tensor? attn_mask=None, "
+                      "Tensor? learnable_sink=None, *, bool deterministic=False) -> (Tensor out, Tensor lse)",
     "flash_attn_bwd": "flash_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
                       "Tensor lse, float softmax_scale, bool causal, SymInt? window_left=None, "
                       "SymInt? window_right=None, float softcap=0.0, Tensor? key_start=None, "
@@ -30,7 +30,8 @@ SCHEMAS = {
                              "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
                              "SymInt max_seqlen_k, float softmax_scale, bool causal, SymInt? window_left=None, "
                              "SymInt? window_right=None, float softcap=0.0, Tensor? learnable_sink=None, "
-                             "Tensor(a!)? dsink=None, *, bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv)",
+                             "Tensor(a!)? dsink=None, *, bool deterministic=False) "
+                             "-> (Tensor dq, Tensor dk, Tensor dv)",
     "flash_attn_kvcache": "flash_attn_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, "
                           "Tensor? v, Tensor cache_seqlens, Tensor? cache_batch_idx, Tensor? page_table, "
                           "float softmax_scale, bool causal, SymInt? window_left=None, SymInt? window_right=None, "
