@@ -2,7 +2,7 @@
 forward and backward (the sinks' gradient included), dense (causal, window, softcap, GQA, every
 head dim), packed and decode from a cache (contiguous, paged, split-KV, several query tokens);
 transformers' gpt-oss runs every attention layer on the kernels with its sinks. The sinks are
-fused into the kernels: no fallback is taken, and outputs come from NaN-poisoned memory."""
+fused into the kernels: no fallback is taken, and every output starts as NaN."""
 
 import pytest
 import torch
@@ -17,9 +17,19 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _poison_allocator():
-    """Fill the allocator's free memory with NaN: outputs a kernel leaves unwritten stay NaN."""
-    torch.full((64 << 20,), float("nan"), device="cuda")  # 256 MB, freed to the cache at once
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every output and gradient the attention ops make for a kernel starts as NaN: one the kernel
+    leaves unwritten fails the NaN checks."""
+    from torch_cute_ops.ops import attention, attention_kvcache, attention_varlen
+
+    def nan_filled(make):
+        return lambda *args: tuple(t.fill_(float("nan")) for t in make(*args))
+
+    for module, name in ((attention, "_fwd_outputs_like"), (attention, "empty_grads"),
+                         (attention_varlen, "_fwd_outputs_like"), (attention_varlen, "empty_grads"),
+                         (attention_kvcache, "_outputs_like")):
+        monkeypatch.setattr(module, name, nan_filled(getattr(module, name)))
 
 
 def _sinks(heads, seed=0):
@@ -40,18 +50,16 @@ CASES = [(64, True, (-1, -1), 0.0), (64, False, (100, 0), 0.0), (128, True, (-1,
 
 
 @pytest.mark.parametrize("d,causal,window,softcap", CASES)
-def test_fused_sinks_forward_backward_against_float64(d, causal, window, softcap):
+def test_fused_sinks_forward_backward_against_float64(poisoned, d, causal, window, softcap):
     """GQA 8/2, 200 queries over 333 keys (bottom-right), a sink far above and one far below the scores."""
     torch.manual_seed(d)
     q = torch.randn(2, 200, 8, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(2, 333, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     sink = _sinks(8, d)
     tco.ops.fallback.reset()
-    _poison_allocator()
     out, lse = tco.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, learnable_sink=sink,
                                    return_lse=True)
     dout = torch.randn_like(out)
-    _poison_allocator()
     grads = torch.autograd.grad(out, (q, k, v, sink), dout)
     assert tco.fallback_counts() == {}
     leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v, sink)]
@@ -73,10 +81,10 @@ def test_sink_gradient_against_finite_differences():
     sink = torch.tensor([0.5, -1.0], device="cuda", requires_grad=True)
     (dsink,) = torch.autograd.grad(tco.flash_attn_func(q, k, v, causal=True, learnable_sink=sink), sink, dout)
     loss = lambda s: (tco.flash_attn_func(q, k, v, causal=True, learnable_sink=s).double() * dout.double()).sum()
-    eps = 0.05
+    eps = 0.1  # fp16 outputs: a step whose change of the loss stands well above their rounding
     numeric = torch.stack([(loss(sink.detach() + eps * e) - loss(sink.detach() - eps * e)) / (2 * eps)
                            for e in torch.eye(2, device="cuda")])
-    assert torch.allclose(dsink.double(), numeric, rtol=5e-2, atol=2e-3), (dsink, numeric)
+    assert _rel(dsink, numeric) < 3e-2, (dsink, numeric)
 
 
 @pytest.mark.parametrize("causal,window,d", [(True, (-1, -1), 64), (True, (127, 0), 64), (False, (-1, -1), 128)])
@@ -100,7 +108,25 @@ def test_dense_sinks_on_the_kernels(causal, window, d):
         assert torch.isfinite(got).all() and _rel(got.cpu(), want) < 2e-2
 
 
-def test_packed_sinks_forward_backward():
+def test_deterministic_backward_forms_the_sink_gradient_reproducibly():
+    """deterministic=True: the sinks' gradient by ordered reductions (not the kernel's per-block
+    fp32 adds), bitwise equal run to run and equal to the fused one within fp32 rounding."""
+    torch.manual_seed(3)
+    q = torch.randn(2, 512, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 512, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    sink = _sinks(8, 3)
+    dout = torch.randn_like(q)
+
+    def grads(deterministic):
+        out = tco.flash_attn_func(q, k, v, causal=True, learnable_sink=sink, deterministic=deterministic)
+        return torch.autograd.grad(out, (q, sink), dout)
+
+    first, second, fused = grads(True), grads(True), grads(False)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert _rel(fused[1].cpu(), first[1].cpu()) < 1e-4 and _rel(fused[0].cpu(), first[0].cpu()) < 1e-2
+
+
+def test_packed_sinks_forward_backward(poisoned):
     """Packed sequences (an empty one, one of several query tiles) with sinks, the sinks' gradient
     summed over every sequence's rows."""
     torch.manual_seed(1)
@@ -109,7 +135,6 @@ def test_packed_sinks_forward_backward():
     k, v = (torch.randn(700, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     sink = _sinks(8, 1)
     tco.ops.fallback.reset()
-    _poison_allocator()
     out, lse = tco.flash_attn_varlen_func(q, k, v, cu, cu, 570, 570, causal=True, learnable_sink=sink,
                                           return_lse=True)
     dout = torch.randn_like(out)
@@ -137,9 +162,9 @@ def _cache_reference(q, k_cache, v_cache, lengths, sink, causal=True):
     return torch.cat(outs), torch.cat(lses)
 
 
-@pytest.mark.parametrize("seqlen_q,batch,capacity", [(1, 3, 400), (1, 1, 8192), (4, 3, 400)])
+@pytest.mark.parametrize("seqlen_q,batch,capacity", [(1, 3, 448), (1, 1, 8192), (4, 3, 448)])
 @pytest.mark.parametrize("paged", [False, True])
-def test_cache_sinks_on_the_kernels(seqlen_q, batch, capacity, paged):
+def test_cache_sinks_on_the_kernels(poisoned, seqlen_q, batch, capacity, paged):
     """One-token decode (pack-GQA rows), a lone long entry (split-KV: the sink joins at the combine)
     and four query tokens (gathered rows), from a contiguous cache and a paged one (64-key pages);
     an empty entry gives out 0 and lse = its sink."""
@@ -158,7 +183,6 @@ def test_cache_sinks_on_the_kernels(seqlen_q, batch, capacity, paged):
                        for c in caches)
         kwargs["page_table"] = order.view(batch, pages).int()
     tco.ops.fallback.reset()
-    _poison_allocator()
     out, lse = tco.flash_attn_with_kvcache(q, *caches, cache_seqlens=cache_seqlens, causal=True, learnable_sink=sink,
                                            return_lse=True, **kwargs)
     assert tco.fallback_counts() == {}
