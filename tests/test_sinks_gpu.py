@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import torch_cute_ops as tco
+from torch_cute_ops.ops.sinks import sink_grad
 from test_sinks import reference
 
 pytestmark = pytest.mark.gpu
@@ -39,22 +40,36 @@ def _sinks(heads, seed=0):
     return sink.cuda().requires_grad_()
 
 
+def _check_dsink(dsink, want, out, lse, dout, sink, packed=False):
+    """The sinks' gradient: exactly the sum the kernel should form from its own out and lse
+    (``-sum exp(sink - lse) * rowsum(dout * out)``, in float64), and near the float64 reference's
+    (bf16 rounding of out moves each row's ``dout . out``, and the rows' terms cancel in the sum)."""
+    own = sink_grad(*(t.detach().double() for t in (dout, out, lse, sink)), packed=packed)
+    _check("dsink (own out, lse)", dsink, own.cpu(), 1e-3)
+    _check("dsink", dsink, want, 1e-1)
+
+
 def _check(name, got, want, tol):
     got = got.detach().cpu()
     assert not got.isnan().any(), f"{name}: NaN (unwritten or invalid)"
     assert _rel(got, want) < tol, (name, _rel(got, want))
 
 
-CASES = [(64, True, (-1, -1), 0.0), (64, False, (100, 0), 0.0), (128, True, (-1, -1), 0.0),
-         (128, False, (-1, -1), 30.0), (256, True, (-1, -1), 0.0), (256, False, (64, 32), 0.0)]
+# (head dim, causal, window, softcap, queries, keys); 333 queries over 200 causal keys leave the first
+# 133 rows no key (out 0, lse = their sink)
+CASES = [(64, True, (-1, -1), 0.0, 200, 333), (64, False, (100, 0), 0.0, 200, 333),
+         (64, True, (-1, -1), 0.0, 333, 200), (128, True, (-1, -1), 0.0, 200, 333),
+         (128, False, (-1, -1), 30.0, 200, 333), (256, True, (-1, -1), 0.0, 200, 333),
+         (256, False, (64, 32), 0.0, 200, 333)]
 
 
-@pytest.mark.parametrize("d,causal,window,softcap", CASES)
-def test_fused_sinks_forward_backward_against_float64(poisoned, d, causal, window, softcap):
-    """GQA 8/2, 200 queries over 333 keys (bottom-right), a sink far above and one far below the scores."""
-    torch.manual_seed(d)
-    q = torch.randn(2, 200, 8, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(2, 333, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+@pytest.mark.parametrize("d,causal,window,softcap,seqlen_q,seqlen_k", CASES)
+def test_fused_sinks_forward_backward_against_float64(poisoned, d, causal, window, softcap, seqlen_q, seqlen_k):
+    """GQA 8/2, bottom-right alignment, a sink far above and one far below the scores."""
+    torch.manual_seed(d + seqlen_q)
+    q = torch.randn(2, seqlen_q, 8, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, seqlen_k, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
     sink = _sinks(8, d)
     tco.ops.fallback.reset()
     out, lse = tco.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, learnable_sink=sink,
@@ -67,8 +82,9 @@ def test_fused_sinks_forward_backward_against_float64(poisoned, d, causal, windo
     ref_grads = torch.autograd.grad(ref, leaves, dout.double().cpu())
     _check("out", out, ref, 1e-2)
     _check("lse", lse, ref_lse, 1e-3)
-    for name, got, want in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads):
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         _check(name, got, want, 2e-2)
+    _check_dsink(grads[3], ref_grads[3], out, lse, dout, sink)
 
 
 def test_sink_gradient_against_finite_differences():
@@ -147,8 +163,9 @@ def test_packed_sinks_forward_backward(poisoned):
     ref_grads = torch.autograd.grad(ref, leaves, dout.double().cpu())
     _check("out", out, ref, 1e-2)
     _check("lse", lse, ref_lse, 1e-3)
-    for name, got, want in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads):
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         _check(name, got, want, 2e-2)
+    _check_dsink(grads[3], ref_grads[3], out, lse, dout, sink, packed=True)
 
 
 def _cache_reference(q, k_cache, v_cache, lengths, sink, causal=True):
