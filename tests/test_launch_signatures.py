@@ -251,3 +251,32 @@ def test_one_token_decode_from_a_contiguous_cache_is_prebuilt(launches, batch, h
     ((spec, args),) = launches
     assert spec in flash_host.shipped("sm_90a"), spec
     _check_agreement(spec, args)
+
+
+def test_sink_launches(launches):
+    """Sink variants (dense, packed, one-token pack-GQA decode whole and split, paged) take the sinks
+    as lse's shape with the heads' stride alone; the backward takes the sinks and their gradient."""
+    sink = torch.arange(32, dtype=torch.float32)
+    q, k, v = _qkv(heads=32, kv_heads=8)
+    out, lse = _fwd_outputs(q)
+    flash_host.plan_fwd(q, k, v, True, sink=True)(q, k, v, out, lse, 0.1, sink=sink)
+    cu = torch.tensor([0, 100, 600], dtype=torch.int32)
+    packed = [t.flatten(0, 1) for t in (q, k, v)]
+    flash_host.plan_fwd(*packed, True, rows="packed", sink=True).packed(
+        *packed, cu, cu, 500, 500, torch.empty_like(packed[0]), torch.empty(32, 600), 0.1, sink=sink)
+    for batch in (64, 1):  # one-token decode: pack-GQA rows, whole and (a lone entry) split
+        q1, k1, v1 = _qkv(batch=batch, seqlen_q=1, seqlen_k=1024, heads=32, kv_heads=8)
+        out1, lse1 = _fwd_outputs(q1)
+        flash_host.plan_fwd(q1, k1, v1, True, sink=True)(q1, k1, v1, out1, lse1, 0.1, sink=sink)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    flash_host.plan_bwd(q, k, v, True, sink=True)(q, q, k, v, q, lse, *grads, 0.1, sink=sink, dsink=torch.zeros(32))
+    specs = [spec for spec, _ in launches]
+    assert all(spec.get("sink") for spec in specs) and specs[3].get("split_kv") and not specs[2].get("split_kv")
+    sink_args = [args[-1] for _, args in launches[:4]]
+    assert [a.stride() for a in sink_args] == [(0, 1, 0), (0, 1, 0), (0, 4, 1), (0, 4, 1)]
+    # each row reads its own head's sink: (b, h_kv, j) of one-token decode is query head 4 h_kv + j
+    assert sink_args[2][0, 1, 2] == 6 and sink_args[0][1, 5, 7] == 5
+    assert launches[4][1][-2] is sink
+    for spec, args in launches:
+        _check_agreement(spec, args)
+    assert flash_host.fwd_spec("bf16", 64, True).get("sink") is None  # the plain variants keep their names

@@ -129,3 +129,57 @@ def test_gpt_oss_on_the_cute_attention_matches_its_eager_attention():
     for got, want in zip(results["cute"], results["eager"]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert [op for op, _ in tco.fallback_counts() if op == "transformers attention"] == []
+
+
+def test_the_backward_ops_add_the_sinks_gradient_to_dsink():
+    """``dsink`` is added to (a gradient accumulates), dense and packed, and the probabilities come
+    from the sink-inclusive lse alone: dq, dk, dv are the same with or without ``dsink``."""
+    q, k, v, sink = _inputs()
+    out, lse = torch.ops.cute.flash_attn_fwd(q, k, v, 0.3, True, learnable_sink=sink)
+    dout = torch.randn_like(out)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    want = torch.autograd.grad(reference(*leaves, 0.3, True)[0], leaves, dout)
+    dsink = torch.ones(4, dtype=torch.float64)
+    grads = torch.ops.cute.flash_attn_bwd(dout, q, k, v, out, lse, 0.3, True, learnable_sink=sink, dsink=dsink)
+    torch.testing.assert_close(dsink, want[3] + 1)
+    plain = torch.ops.cute.flash_attn_bwd(dout, q, k, v, out, lse, 0.3, True)
+    for got, same, ref in zip(grads, plain, want):
+        torch.testing.assert_close(got, same)
+        torch.testing.assert_close(got, ref)
+    cu = torch.tensor([0, 7, 14], dtype=torch.int32)
+    flat = [t.flatten(0, 1) for t in (q, k[:, :7], v[:, :7])]
+    out, lse = torch.ops.cute.flash_attn_varlen_fwd(*flat, cu, cu, 7, 7, 0.3, True, learnable_sink=sink)
+    dsink = torch.zeros(4, dtype=torch.float64)
+    torch.ops.cute.flash_attn_varlen_bwd(out, *flat, out, lse, cu, cu, 7, 7, 0.3, True, learnable_sink=sink,
+                                         dsink=dsink)
+    packed_leaves = [t.clone().requires_grad_() for t in (*flat, sink)]
+    refs = [reference(packed_leaves[0][None, a:a + 7], packed_leaves[1][None, a:a + 7], packed_leaves[2][None, a:a + 7],
+                      packed_leaves[3], 0.3, True)[0][0] for a in (0, 7)]
+    (want_dsink,) = torch.autograd.grad(torch.cat(refs), packed_leaves[3], out)
+    torch.testing.assert_close(dsink, want_dsink)
+
+
+@pytest.mark.parametrize("dsink,sink,match", [(torch.zeros(4, dtype=torch.float64), None, "dsink: given without"),
+                                              (torch.zeros(4), "given", "dsink: expected a contiguous torch.float64"),
+                                              (torch.zeros(3, dtype=torch.float64), "given", "dsink: expected")])
+def test_a_bad_dsink_is_named(dsink, sink, match):
+    q, k, v, given = _inputs()
+    out, lse = torch.ops.cute.flash_attn_fwd(q, k, v, 0.3, False)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.cute.flash_attn_bwd(out, q, k, v, out, lse, 0.3, False, learnable_sink=given if sink else None,
+                                      dsink=dsink)
+
+
+def test_sinks_under_fullgraph_compile():
+    """The sinks reach the ops as an argument: traced with no graph break, their gradient included."""
+    torch._dynamo.reset()
+    q, k, v, sink = (t.float().requires_grad_() for t in _inputs())
+
+    def attend(q, k, v, sink):
+        return tco.flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
+
+    out = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v, sink)
+    torch.testing.assert_close(out, attend(q, k, v, sink))
+    got = torch.autograd.grad(out.sum(), sink)
+    want = torch.autograd.grad(attend(q, k, v, sink).sum(), sink)
+    torch.testing.assert_close(got, want)

@@ -107,12 +107,12 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     softmax_scale = _softmax_scale(softmax_scale, q)
     left, right = _window_bounds(window_size)
     args = (q, k, v, softmax_scale, bool(causal), left, right, float(softcap))
-    if key_start is not None or key_end is not None:
+    if key_start is not None or key_end is not None or learnable_sink is not None:
         args += (key_start, key_end)
     if learnable_sink is not None:
-        _sinks.validate_sink(learnable_sink, q, 2)
-        out, lse = _sinks.SinkAttention.apply(q, k, v, learnable_sink, "dense", args[3:], bool(deterministic))
-    elif dispatcher_free(q, k, v, key_start, key_end):
+        _sinks.validate_sink(learnable_sink, q, 2)  # named here: a list or an int tensor never reaches the op
+        args += (None, learnable_sink)
+    if dispatcher_free(q, k, v, key_start, key_end, learnable_sink):
         out, lse = _attention.flash_attn_fwd_impl(*args)
     else:
         out, lse = torch.ops.cute.flash_attn_fwd(*args, deterministic=bool(deterministic))
@@ -140,8 +140,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
             left, right, float(softcap))
     if learnable_sink is not None:
         _sinks.validate_sink(learnable_sink, q, 1)
-        out, lse = _sinks.SinkAttention.apply(q, k, v, learnable_sink, "packed", args[3:], bool(deterministic))
-    elif dispatcher_free(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        args += (learnable_sink,)
+    if dispatcher_free(q, k, v, cu_seqlens_q, cu_seqlens_k, learnable_sink):
         out, lse = _attention_varlen.flash_attn_varlen_fwd_impl(*args)
     else:
         out, lse = torch.ops.cute.flash_attn_varlen_fwd(*args, deterministic=bool(deterministic))
@@ -180,12 +180,13 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                          cache_seqlens)
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, bool(causal),
             left, right, float(softcap), cache_leftpad)
-    if dispatcher_free(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad):
+    if learnable_sink is not None:
+        args += (learnable_sink,)
+    if dispatcher_free(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad,
+                       learnable_sink):
         out, lse = _attention_kvcache.flash_attn_kvcache_impl(*args)
     else:
         out, lse = torch.ops.cute.flash_attn_kvcache(*args)
-    if learnable_sink is not None:
-        out, lse = _sinks.merge(out, lse, learnable_sink)
     return (out, lse) if return_lse else out
 
 

@@ -8,6 +8,8 @@ window that depends on sequence lengths (PyTorch's top-left causal) never specia
 ``attn_mask`` is PyTorch's (bool, True = attend, or additive in q's dtype; broadcastable to
 (B, H_q, S_q, S_k), never materialized); it is not differentiated. The kernels serve it alone
 (no causal, window, softcap or key range beside it) and skip the key blocks it leaves empty.
+``learnable_sink`` ((H_q,), differentiable) adds a sink to every row's denominator (ops/sinks.py); the
+backward op adds its gradient to ``dsink`` when given one.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ..reference import attention as reference
 from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
 from ..runtime.tma import tma_reason
 from ..runtime.unfilled import written_in_full
-from . import bounds, checks, dispatch, fallback
+from . import bounds, checks, dispatch, fallback, sinks
 from .schemas import lib, qualname, register_impl
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -175,12 +177,14 @@ def _masked_reason(causal, local, softcap, key_start, attn_mask) -> str | None:
     return None
 
 
-def _make_fwd_plan(key, q, k, v, causal, local, softcap, key_start, key_end, attn_mask):
+def _make_fwd_plan(key, q, k, v, causal, local, softcap, key_start, key_end, attn_mask, sink=None):
     """Validate (raises on invalid input) and decide the kernel for one layout and band kind,
     once: a launch, None when there is nothing to compute, or the reason no kernel covers it."""
     _validate_qkv(q, k, v)
     _validate_key_range(q, key_start, key_end)
     _validate_attn_mask(q, k, attn_mask)
+    if sink is not None:
+        sinks.validate_sink(sink, q, 2)
     plan = "cpu"
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_fwd", q.device)
@@ -188,7 +192,7 @@ def _make_fwd_plan(key, q, k, v, causal, local, softcap, key_start, key_end, att
         plan = host if isinstance(host, str) else (
             _masked_reason(causal, local, softcap, key_start, attn_mask)
             or host.plan_fwd(q, k, v, causal, local=local, softcap=softcap, rows=rows,
-                             attn_mask=host.mask_kind(attn_mask)))
+                             attn_mask=host.mask_kind(attn_mask), sink=sink is not None))
     return _remember(_fwd_plans, key, plan)
 
 
@@ -202,7 +206,7 @@ def layout_key(*tensors) -> tuple:
 
 
 def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0,
-                        key_start=None, key_end=None, attn_mask=None, *, deterministic=False):
+                        key_start=None, key_end=None, attn_mask=None, learnable_sink=None, *, deterministic=False):
     # ``deterministic`` selects the backward's variant only (autograd carries it there)
     if q.dim() != 4 or k.dim() != 4:
         _validate_qkv(q, k, v)  # the named error
@@ -214,7 +218,7 @@ def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
     padded = key_start is not None
     flags = (band_causal, local, softcap_kind(softcap, q.dtype), _optional_key(key_start), _optional_key(key_end),
-             _optional_key(attn_mask))
+             _optional_key(attn_mask), _optional_key(learnable_sink))
     exact = (*_qkv_key(q, k, v), *flags)
     plan = _fwd_exact.get(exact, False)
     if plan is False:
@@ -222,7 +226,8 @@ def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window
         key = (*_decode_qkv_key(q, k, v), *flags) if attn_mask is None else exact
         plan = _fwd_plans.get(key, False)
         if plan is False:
-            plan = _make_fwd_plan(key, q, k, v, band_causal, local, softcap, key_start, key_end, attn_mask)
+            plan = _make_fwd_plan(key, q, k, v, band_causal, local, softcap, key_start, key_end, attn_mask,
+                                  learnable_sink)
         _remember(_fwd_exact, exact, plan)
     if padded:
         check_key_range(key_start, key_end, k.shape[1])
@@ -230,21 +235,23 @@ def flash_attn_fwd_impl(q, k, v, softmax_scale, causal, window_left=None, window
         reason = pointer_reason(("q", q), ("k", k), ("v", v))
         if reason is None:
             out, lse = written_in_full(_fwd_outputs_like, q)
+            sink = None if learnable_sink is None else sinks.for_kernels(learnable_sink)
             if padded:
                 plan.padded(q, k, v, bounds.dense(key_start), bounds.dense(key_end), out, lse, softmax_scale, left,
-                            right, softcap)
+                            right, softcap, sink=sink)
             elif attn_mask is not None:
-                plan.masked(q, k, v, attn_mask, out, lse, softmax_scale)
+                plan.masked(q, k, v, attn_mask, out, lse, softmax_scale, sink=sink)
             else:
-                plan(q, k, v, out, lse, softmax_scale, left, right, softcap)
+                plan(q, k, v, out, lse, softmax_scale, left, right, softcap, sink=sink)
             return out, lse
         plan = reason
     if plan is None:
         return _fwd_outputs_like(q)
     if plan != "cpu":
         fallback.note("flash_attn_fwd", plan)
-    return reference.flash_attn_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                                    key_start, key_end, attn_mask)
+    out, lse = reference.flash_attn_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                                        key_start, key_end, attn_mask)
+    return (out, lse) if learnable_sink is None else sinks.merge(out, lse, learnable_sink)
 
 
 register_impl("flash_attn_fwd", flash_attn_fwd_impl)
@@ -252,30 +259,44 @@ register_impl("flash_attn_fwd", flash_attn_fwd_impl)
 
 @torch.library.register_fake(qualname("flash_attn_fwd"), lib=lib)
 def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0,
-                         key_start=None, key_end=None, attn_mask=None, *, deterministic=False):
+                         key_start=None, key_end=None, attn_mask=None, learnable_sink=None, *, deterministic=False):
     _validate_qkv(q, k, v)
     _validate_softcap(softcap)
     _validate_key_range(q, key_start, key_end)
     _validate_attn_mask(q, k, attn_mask)
+    if learnable_sink is not None:
+        sinks.validate_sink(learnable_sink, q, 2)
     return _fwd_outputs_like(q)
+
+
+_SINK_INPUT = 11  # learnable_sink's place among flash_attn_fwd's inputs
 
 
 def _fwd_setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, v, softmax_scale, causal, *rest = inputs
     ctx.deterministic = keyword_only_inputs["deterministic"]
-    band, extras = tuple(rest[:3]), tuple(rest[3:])  # extras: key_start, key_end, attn_mask as given
+    band, extras = tuple(rest[:3]), tuple(rest[3:6])  # extras: key_start, key_end, attn_mask as given
+    sink = rest[6] if len(rest) > 6 else None
     out, lse = output
     ctx.softmax_scale, ctx.causal, ctx.band = softmax_scale, causal, band
-    ctx.num_extras = len(extras)
-    ctx.save_for_backward(q, k, v, out, lse, *extras)
+    ctx.num_inputs = len(inputs)
+    ctx.sink_grad = sink is not None and ctx.needs_input_grad[_SINK_INPUT]
+    ctx.save_for_backward(q, k, v, out, lse, *extras, *((sink,) if ctx.sink_grad else ()))
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse, *extras = ctx.saved_tensors
+    sink = extras.pop() if ctx.sink_grad else None
+    extras += [None] * (3 - len(extras))
+    # the sinks' gradient is added to a zeroed one (the probabilities need no sink: lse holds it)
+    dsink = None if sink is None else sinks.zero_grad_like(sink, lse)
     dq, dk, dv = torch.ops.cute.flash_attn_bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, *ctx.band,
-                                               *extras, deterministic=ctx.deterministic)
-    return (dq, dk, dv, None, None) + (None,) * (len(ctx.band) + ctx.num_extras)
+                                               *extras, sink, dsink, deterministic=ctx.deterministic)
+    grads = [dq, dk, dv] + [None] * (ctx.num_inputs - 3)
+    if sink is not None:
+        grads[_SINK_INPUT] = dsink.to(sink.dtype)
+    return tuple(grads)
 
 
 torch.library.register_autograd(qualname("flash_attn_fwd"), _fwd_backward,
@@ -300,10 +321,14 @@ def _validate_bwd(dout, q, k, v, out, lse) -> None:
 _bwd_plans: dict[tuple, object] = {}
 
 
-def _make_bwd_plan(key, dout, q, k, v, out, lse, causal, local, softcap, key_start, key_end, attn_mask):
+def _make_bwd_plan(key, dout, q, k, v, out, lse, causal, local, softcap, key_start, key_end, attn_mask, sink=None,
+                   dsink=None):
     _validate_bwd(dout, q, k, v, out, lse)
     _validate_key_range(q, key_start, key_end)
     _validate_attn_mask(q, k, attn_mask)
+    if sink is not None:
+        sinks.validate_sink(sink, q, 2)
+    sinks.validate_sink_grad(dsink, sink, lse, q.shape[2])
     plan = "cpu"
     if q.is_cuda:
         host = dispatch.kernel_for("flash_attn_bwd", q.device)
@@ -313,12 +338,13 @@ def _make_bwd_plan(key, dout, q, k, v, out, lse, causal, local, softcap, key_sta
             or tma_reason("out", out, (3,), check_pointer=False)
             or _masked_reason(causal, local, softcap, key_start, attn_mask)
             or host.plan_bwd(q, k, v, causal, local, softcap != 0.0, rows=rows, attn_mask=host.mask_kind(attn_mask),
-                             deterministic=key[-1]))
+                             deterministic=key[-1], sink=sinks.fused_grad(dsink, key[-1])))
     return _remember(_bwd_plans, key, plan)
 
 
 def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=None, window_right=None,
-                    softcap=0.0, key_start=None, key_end=None, attn_mask=None, *, deterministic=False):
+                    softcap=0.0, key_start=None, key_end=None, attn_mask=None, learnable_sink=None, dsink=None, *,
+                    deterministic=False):
     # the backward's autograd hands over whatever layout the loss produced
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     if q.dim() != 4 or k.dim() != 4:
@@ -328,7 +354,7 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
         _validate_softcap(softcap)
     if softmax_scale < 0.0 and q.is_cuda:  # d/dq of (-q) is -1
         dq, dk, dv = _flash_attn_bwd(dout, torch.neg(q), k, v, out, lse, -softmax_scale, causal, window_left,
-                                     window_right, softcap, key_start, key_end, attn_mask,
+                                     window_right, softcap, key_start, key_end, attn_mask, learnable_sink, dsink,
                                      deterministic=deterministic)
         return torch.neg(dq), dk, dv
     if softmax_scale == 0.0 and q.is_cuda:
@@ -336,27 +362,31 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left=
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], k.shape[1])
     key = (*_qkv_key(q, k, v), dout.shape, dout.stride(), dout.dtype, out.shape, out.stride(), out.dtype,
            lse.shape, lse.dtype, lse.device, band_causal, local, softcap != 0.0,
-           _optional_key(key_start), _optional_key(key_end), _optional_key(attn_mask),
-           deterministic or torch.are_deterministic_algorithms_enabled())
+           _optional_key(key_start), _optional_key(key_end), _optional_key(attn_mask), _optional_key(learnable_sink),
+           _optional_key(dsink), deterministic or torch.are_deterministic_algorithms_enabled())
     plan = _bwd_plans.get(key) or _make_bwd_plan(key, dout, q, k, v, out, lse, band_causal, local, softcap,
-                                                 key_start, key_end, attn_mask)
+                                                 key_start, key_end, attn_mask, learnable_sink, dsink)
     if key_start is not None:
         check_key_range(key_start, key_end, k.shape[1])
     if not isinstance(plan, str):
         reason = pointer_reason(("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         if reason is None:
             dq, dk, dv = written_in_full(empty_grads, q, k, v)
+            sink = sinks.bwd_kernel_args(learnable_sink, dsink, key[-1])
             if key_start is not None:
                 plan.padded(dout, q, k, v, out, lse.contiguous(), bounds.dense(key_start), bounds.dense(key_end), dq,
-                            dk, dv, softmax_scale, left, right, softcap)
+                            dk, dv, softmax_scale, left, right, softcap, **sink)
             elif attn_mask is not None:
-                plan.masked(dout, q, k, v, out, lse.contiguous(), attn_mask, dq, dk, dv, softmax_scale)
+                plan.masked(dout, q, k, v, out, lse.contiguous(), attn_mask, dq, dk, dv, softmax_scale, **sink)
             else:
-                plan(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, softmax_scale, left, right, softcap)
+                plan(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, softmax_scale, left, right, softcap, **sink)
+            if not sink:  # deterministic: not in the kernel
+                sinks.add_grad(dsink, learnable_sink, dout, out, lse)
             return dq, dk, dv
         plan = reason
     if plan != "cpu":
         fallback.note("flash_attn_bwd", plan)
+    sinks.add_grad(dsink, learnable_sink, dout, out, lse)
     return reference.flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
                                     softcap, key_start, key_end, attn_mask)
 
@@ -366,9 +396,11 @@ register_impl("flash_attn_bwd", _flash_attn_bwd)
 
 @torch.library.register_fake(qualname("flash_attn_bwd"), lib=lib)
 def _flash_attn_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left=None, window_right=None,
-                         softcap=0.0, key_start=None, key_end=None, attn_mask=None, *, deterministic=False):
+                         softcap=0.0, key_start=None, key_end=None, attn_mask=None, learnable_sink=None, dsink=None, *,
+                         deterministic=False):
     _validate_bwd(dout, q, k, v, out, lse)
     _validate_softcap(softcap)
     _validate_key_range(q, key_start, key_end)
     _validate_attn_mask(q, k, attn_mask)
+    sinks.validate_sink_grad(dsink, learnable_sink, lse, q.shape[2])
     return tuple(t.new_empty(t.shape) for t in (q, k, v))

@@ -13,7 +13,8 @@ padding stays in the cache, unattended). Not differentiable (inference).
 Kernels: a paged cache, or a contiguous one with cache_batch_idx, is read through its page table
 (a contiguous cache is one page per entry); a contiguous cache otherwise as (B, capacity, H_kv, D)
 with any strides (transformers' (B, H_kv, capacity, D) caches, transposed), each entry's keys
-``[cache_leftpad[b], length)`` (the kernels' "ranged" rows).
+``[cache_leftpad[b], length)`` (the kernels' "ranged" rows). ``learnable_sink`` ((H_q,)) adds a sink to
+every row's denominator, in the kernels (ops/sinks.py).
 
 The values of cache_seqlens, cache_leftpad, cache_batch_idx and page_table bound the kernels' loads
 and the append's stores: they are checked against the cache before the launch, on the device
@@ -28,7 +29,7 @@ import torch
 from ..reference import attention as reference
 from ..runtime.attention import kernel_band, pointer_reason, softcap_kind
 from ..runtime.lasting import lasting
-from . import bounds, checks, dispatch, fallback
+from . import bounds, checks, dispatch, fallback, sinks
 from .attention import (_remember, _validate_softcap, keys_key, layout_key, positive_scale, validate_qkv_common,
                         validate_scale)
 from .schemas import lib, qualname, register_impl
@@ -162,7 +163,8 @@ def _mergeable(cache) -> bool:
     return cache.stride(0) == cache.shape[1] * cache.stride(1)
 
 
-def _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_leftpad, causal, local, softcap):
+def _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_leftpad, causal, local, softcap,
+               sink=False):
     """("ranged" or "paged", launch), a reason no kernel covers the call, or None (nothing to do)."""
     plan = "cpu"
     if q.is_cuda:
@@ -173,7 +175,7 @@ def _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_left
         if isinstance(host, str):
             plan = host
         elif ranged:
-            plan = host.plan_fwd(q, k_cache, v_cache, causal, local=local, softcap=softcap, rows="ranged")
+            plan = host.plan_fwd(q, k_cache, v_cache, causal, local=local, softcap=softcap, rows="ranged", sink=sink)
         elif cache_leftpad is not None:
             plan = "cache_leftpad: with cache_batch_idx only on the reference path"
         elif not (_mergeable(k_cache) and _mergeable(v_cache)):
@@ -184,7 +186,7 @@ def _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_left
             rows_view = k_cache.reshape(1, -1, *k_cache.shape[2:])
             plan = config if isinstance(config, str) else host.plan_fwd(
                 q, rows_view, rows_view, causal, config, local=local, softcap=softcap, rows="kvcache",
-                keys_per_entry=_capacity(k_cache, page_table))
+                keys_per_entry=_capacity(k_cache, page_table), sink=sink)
         if plan is not None and not isinstance(plan, str):
             plan = ("ranged" if ranged else "paged", plan)
     return _remember(_plans, key, plan)
@@ -200,7 +202,8 @@ def _planning_key(exact: tuple, k_cache, v_cache, page_table, cache_batch_idx) -
 
 
 def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                            causal, window_left=None, window_right=None, softcap=0.0, cache_leftpad=None):
+                            causal, window_left=None, window_right=None, softcap=0.0, cache_leftpad=None,
+                            learnable_sink=None):
     validate_scale(softmax_scale)
     if softcap != 0.0:  # a value, not part of the plan's key: checked on every call
         _validate_softcap(softcap)
@@ -211,16 +214,18 @@ def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
     capacity = _capacity(k_cache, page_table)
     band_causal, local, left, right = kernel_band(causal, window_left, window_right, q.shape[1], capacity)
-    exact = (*layout_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad),
-             band_causal, local, softcap_kind(softcap, q.dtype))
+    exact = (*layout_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad,
+                         learnable_sink), band_causal, local, softcap_kind(softcap, q.dtype))
     plan = _exact_plans.get(exact, False)
     if plan is False:
         key = _planning_key(exact, k_cache, v_cache, page_table, cache_batch_idx)
         plan = _plans.get(key, False)
         if plan is False:
             _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
+            if learnable_sink is not None:
+                sinks.validate_sink(learnable_sink, q, 2)
             plan = _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_leftpad, band_causal,
-                              local, softcap)
+                              local, softcap, learnable_sink is not None)
         _remember(_exact_plans, exact, plan)
     _check_values(k_cache, k, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
     if k is not None:
@@ -233,20 +238,22 @@ def flash_attn_kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         if reason is None:
             rows, launch = plan
             out, lse = _outputs_like(q)
+            sink = None if learnable_sink is None else sinks.for_kernels(learnable_sink)
             if rows == "ranged":
                 key_start = _zero_starts(q.device.index, q.shape[0]) if cache_leftpad is None else cache_leftpad
                 launch.ranged(q, k_cache, v_cache, bounds.dense(key_start), bounds.dense(key_lengths), out, lse,
-                              softmax_scale, left, right, softcap)
+                              softmax_scale, left, right, softcap, sink=sink)
             else:
                 pages = bounds.dense(_pages_of(q, page_table, cache_batch_idx))
                 launch.kvcache(q, k_cache, v_cache, bounds.dense(key_lengths), pages, k_cache.shape[1], out, lse,
-                               softmax_scale, left, right, softcap)
+                               softmax_scale, left, right, softcap, sink=sink)
             return out, lse
         plan = reason
     if plan != "cpu":
         fallback.note("flash_attn_kvcache", plan)
-    return _reference(q, k_cache, v_cache, key_lengths, _pages_of(q, page_table, cache_batch_idx), softmax_scale,
-                      causal, window_left, window_right, softcap, cache_leftpad)
+    out, lse = _reference(q, k_cache, v_cache, key_lengths, _pages_of(q, page_table, cache_batch_idx), softmax_scale,
+                          causal, window_left, window_right, softcap, cache_leftpad)
+    return (out, lse) if learnable_sink is None else sinks.merge(out, lse, learnable_sink)
 
 
 register_impl("flash_attn_kvcache", flash_attn_kvcache_impl)
@@ -254,7 +261,10 @@ register_impl("flash_attn_kvcache", flash_attn_kvcache_impl)
 
 @torch.library.register_fake(qualname("flash_attn_kvcache"), lib=lib)
 def _flash_attn_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                             causal, window_left=None, window_right=None, softcap=0.0, cache_leftpad=None):
+                             causal, window_left=None, window_right=None, softcap=0.0, cache_leftpad=None,
+                             learnable_sink=None):
     _validate(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
     _validate_softcap(softcap)
+    if learnable_sink is not None:
+        sinks.validate_sink(learnable_sink, q, 2)
     return _outputs_like(q)

@@ -14,26 +14,29 @@ SCHEMAS = {
             "ScalarType? out_dtype=None, float alpha=1.0) -> Tensor",
     "flash_attn_fwd": "flash_attn_fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
                       "SymInt? window_left=None, SymInt? window_right=None, float softcap=0.0, "
-                      "Tensor? key_start=None, Tensor? key_end=None, Tensor? attn_mask=None, *, "
-                      "bool deterministic=False) -> (Tensor out, Tensor lse)",
+                      "Tensor? key_start=None, Tensor? key_end=None, Tensor? attn_mask=None, "
+                      "Tensor? learnable_sink=None, *, bool deterministic=False) -> (Tensor out, Tensor lse)",
     "flash_attn_bwd": "flash_attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
                       "Tensor lse, float softmax_scale, bool causal, SymInt? window_left=None, "
                       "SymInt? window_right=None, float softcap=0.0, Tensor? key_start=None, "
-                      "Tensor? key_end=None, Tensor? attn_mask=None, *, bool deterministic=False) "
-                      "-> (Tensor dq, Tensor dk, Tensor dv)",
+                      "Tensor? key_end=None, Tensor? attn_mask=None, Tensor? learnable_sink=None, "
+                      "Tensor(a!)? dsink=None, *, bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv)",
     "flash_attn_varlen_fwd": "flash_attn_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
                              "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, "
                              "bool causal, SymInt? window_left=None, SymInt? window_right=None, "
-                             "float softcap=0.0, *, bool deterministic=False) -> (Tensor out, Tensor lse)",
+                             "float softcap=0.0, Tensor? learnable_sink=None, *, bool deterministic=False) "
+                             "-> (Tensor out, Tensor lse)",
     "flash_attn_varlen_bwd": "flash_attn_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
                              "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
                              "SymInt max_seqlen_k, float softmax_scale, bool causal, SymInt? window_left=None, "
-                             "SymInt? window_right=None, float softcap=0.0, *, bool deterministic=False) "
+                             "SymInt? window_right=None, float softcap=0.0, Tensor? learnable_sink=None, "
+                             "Tensor(a!)? dsink=None, *, bool deterministic=False) "
                              "-> (Tensor dq, Tensor dk, Tensor dv)",
     "flash_attn_kvcache": "flash_attn_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, "
                           "Tensor? v, Tensor cache_seqlens, Tensor? cache_batch_idx, Tensor? page_table, "
                           "float softmax_scale, bool causal, SymInt? window_left=None, SymInt? window_right=None, "
-                          "float softcap=0.0, Tensor? cache_leftpad=None) -> (Tensor out, Tensor lse)",
+                          "float softcap=0.0, Tensor? cache_leftpad=None, Tensor? learnable_sink=None) "
+                          "-> (Tensor out, Tensor lse)",
     "scaled_gemm": "scaled_gemm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias=None, "
                    "ScalarType? out_dtype=None, str? activation=None) -> Tensor",
 }

@@ -117,15 +117,18 @@ def kernel_band(causal: bool, window_left, window_right, seqlen_q: int, seqlen_k
 def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
              arch: str = "sm_90a", local: bool = False, softcap: bool = False,
              rows: str = "dense", attn_mask: str = "none", split_kv: bool = False,
-             rows_per_query: int = 1, bounded_scores: bool = False) -> KernelSpec:
+             rows_per_query: int = 1, bounded_scores: bool = False, sink: bool = False) -> KernelSpec:
     """``rows_per_query`` > 1: each query token is that many consecutive rows (pack-GQA with
     several tokens), which the causal band counts as one. ``bounded_scores``: capped scores
-    whose softmax needs no running max (:func:`softcap_kind`)."""
+    whose softmax needs no running max (:func:`softcap_kind`). ``sink``: attention sinks joined
+    at the softmax finalize (split variants: at the combine)."""
     config = config or config_for(head_dim, causal, ragged=rows != "dense" or attn_mask != "none")
     # the config is in the key: a new config recompiles
     extra = {"rows_per_query": rows_per_query} if rows_per_query > 1 else {}
     if bounded_scores:
         extra["bounded_scores"] = True
+    if sink:  # a flag of its own: the variants without keep their names
+        extra["sink"] = True
     return KernelSpec.make(FWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
                            softcap=softcap, rows=rows, attn_mask=attn_mask, split_kv=split_kv,
                            config=dataclasses.astuple(config), **extra)
@@ -174,10 +177,13 @@ def bwd_keys_in_rows(tile_n: int) -> bool:
 @functools.lru_cache(maxsize=None)
 def bwd_spec(dtype: str, head_dim: int, causal: bool, arch: str = "sm_90a", local: bool = False,
              softcap: bool = False, rows: str = "dense", attn_mask: str = "none",
-             deterministic: bool = False) -> KernelSpec:
-    """``deterministic``: dQ added in a fixed key-block order (bitwise reproducible dQ)."""
+             deterministic: bool = False, sink: bool = False) -> KernelSpec:
+    """``deterministic``: dQ added in a fixed key-block order (bitwise reproducible dQ).
+    ``sink``: the preprocess also forms the attention sinks' gradient."""
     tile_m, tile_n, num_stages = BWD_TILES[head_dim]
     extra = {"deterministic": True} if deterministic else {}
+    if sink:
+        extra["sink"] = True
     return KernelSpec.make(BWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
                            softcap=softcap, rows=rows, attn_mask=attn_mask, tile=(tile_m, tile_n),
                            stages=num_stages, **extra)
@@ -296,6 +302,22 @@ def num_splits_for(tiles: int, key_blocks: int, sms: int) -> int:
     return max(1, min(key_blocks, sms // 2 // tiles))
 
 
+def sink_rows(sink: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The sinks (H_q,) fp32, contiguous, as a forward kernel reads them: lse's shape as the kernel
+    takes it, zero strides but the heads'. One-token pack-GQA takes lse as (B, H_kv, group), query
+    head ``h * group + j`` at (h, j) (:func:`packed_gqa_views`)."""
+    group = sink.shape[0] // lse.shape[1]
+    return sink.as_strided(lse.shape, (0, group, 1) if group > 1 else (0, 1, 0))
+
+
+def no_key_lse(lse: torch.Tensor, sink) -> None:
+    """The lse of rows that see no key: -inf, or with sinks their sink (their output stays 0)."""
+    if sink is None:
+        lse.fill_(float("-inf"))
+    else:
+        lse.copy_(sink_rows(sink, lse))
+
+
 @lasting
 def _mask_placeholders(device_index: int) -> tuple:
     """What an unmasked variant gets for the (mask, bits, blocks, ranges) it never reads."""
@@ -402,11 +424,11 @@ class FlashFwdLaunch:
             return q, out, lse
         return packed_gqa_views(q, self.group, out, lse)
 
-    def _attends_to_nothing(self, out, lse) -> bool:
-        """No keys at all (the plan has no kernel): every row is 0 with lse -inf."""
+    def _attends_to_nothing(self, out, lse, sink=None) -> bool:
+        """No keys at all (the plan has no kernel): every row is 0 with lse -inf (or its sink)."""
         if self.no_keys:
             out.zero_()
-            lse.fill_(float("-inf"))
+            no_key_lse(lse, sink)
         return self.no_keys
 
     def _split_args(self, q) -> tuple:
@@ -417,10 +439,17 @@ class FlashFwdLaunch:
         return (torch.empty((self.splits * b, s, h, d), dtype=torch.float32, device=q.device),
                 torch.empty((self.splits * b, h, s), dtype=torch.float32, device=q.device), self.splits)
 
-    def masked(self, q, k, v, attn_mask, out, lse, softmax_scale: float) -> None:
+    def _sink_arg(self, sink, lse, q) -> torch.Tensor:
+        """What the kernel gets for the sinks: :func:`sink_rows`, or (a variant without sinks) the
+        unread split-KV lse placeholder, an fp32 tensor of the same rank."""
+        if sink is None:
+            return _split_placeholders(self.device_index, q.shape[-1])[1]
+        return sink_rows(sink, lse)
+
+    def masked(self, q, k, v, attn_mask, out, lse, softmax_scale: float, sink=None) -> None:
         """PyTorch's attn_mask (bool or additive, broadcastable to (B, H_q, S_q, S_k)); the plan's
         variant is masked. Key blocks the mask leaves empty are never loaded."""
-        if self._attends_to_nothing(out, lse):
+        if self._attends_to_nothing(out, lse, sink):
             return
         (b, s_q, h, _), s_k = q.shape, k.shape[1]
         blocks, ranges, bits = mask_summary(attn_mask, ("fwd", s_q, s_k, self.tiles), lambda: fwd_mask_summary(
@@ -431,38 +460,39 @@ class FlashFwdLaunch:
         self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0,
                 *_mask_args(attn_mask, bits, b, h, s_q, s_k, self.device_index),
                 blocks.expand(b, h, m_blocks, n_blocks), ranges.expand(b, h, m_blocks, 2), softmax_scale, 0, 0,
-                0.0, self.grid, *self._split_args(q))
+                0.0, self.grid, *self._split_args(q), self._sink_arg(sink, lse, q))
 
     def __call__(self, q, k, v, out, lse, softmax_scale: float, window_left: int = 0, window_right: int = 0,
-                 softcap: float = 0.0) -> None:
-        if self._attends_to_nothing(out, lse):
+                 softcap: float = 0.0, sink=None) -> None:
+        """``sink`` (every launch): the attention sinks, (H_q,) fp32 contiguous, for a sink variant."""
+        if self._attends_to_nothing(out, lse, sink):
             return
         q, out, lse = self._gqa_rows(q, out, lse)
         unused = _unused_counter(self.device_index)
         counter = _tile_counter(q.device) if self.dynamic else unused
         self.fn(q, k, v, out, lse, counter, unused, unused, 0, 0, *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right,
-                softcap, self.grid, *self._split_args(q))
+                softcap, self.grid, *self._split_args(q), self._sink_arg(sink, lse, q))
 
     def padded(self, q, k, v, key_start, key_end, out, lse, softmax_scale: float, window_left: int = 0,
-               window_right: int = 0, softcap: float = 0.0) -> None:
+               window_right: int = 0, softcap: float = 0.0, sink=None) -> None:
         """A padded batch: entry b's real keys are [key_start[b], key_end[b]) (int32, B); the plan's
-        variant is padded. Rows that are not real get output 0 and lse -inf."""
+        variant is padded. Rows that are not real get output 0 and lse -inf (or their sink)."""
         out.zero_()
-        lse.fill_(float("-inf"))
+        no_key_lse(lse, sink)
         if self.no_keys:
             return
         counter = _tile_counter(q.device)
         self.fn(q, k, v, out, lse, counter, key_start, key_end, 0, 0, *_mask_placeholders(self.device_index),
                 softmax_scale, window_left, window_right,
-                softcap, self.grid, *self._split_args(q))
+                softcap, self.grid, *self._split_args(q), self._sink_arg(sink, lse, q))
 
     def kvcache(self, q, k_cache, v_cache, key_lengths, page_table, page_size: int, out, lse, softmax_scale: float,
-                window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
+                window_left: int = 0, window_right: int = 0, softcap: float = 0.0, sink=None) -> None:
         """Attention of q (B, S_q, H_q, D) over a KV cache of pages (num_pages, page_size, H_kv, D):
         entry b's keys are its first key_lengths[b] through page_table[b] (int32 (B, pages));
         the plan's variant is kvcache. A contiguous cache is one page per entry."""
-        if self._attends_to_nothing(out, lse):  # an empty cache
+        if self._attends_to_nothing(out, lse, sink):  # an empty cache
             return
         q, out, lse = self._gqa_rows(q, out, lse)
         counter = _tile_counter(q.device)
@@ -471,28 +501,30 @@ class FlashFwdLaunch:
         v_rows = v_cache.reshape(1, rows, *v_cache.shape[2:])
         self.fn(q, k_rows, v_rows, out, lse, counter, page_table.reshape(-1), key_lengths, page_table.shape[1],
                 page_size, *_mask_placeholders(self.device_index), softmax_scale, window_left, window_right,
-                softcap, self.grid, *self._split_args(q))
+                softcap, self.grid, *self._split_args(q), self._sink_arg(sink, lse, q))
 
     def ranged(self, q, k, v, key_start, key_end, out, lse, softmax_scale: float, window_left: int = 0,
-               window_right: int = 0, softcap: float = 0.0) -> None:
+               window_right: int = 0, softcap: float = 0.0, sink=None) -> None:
         """q (B, S_q, H_q, D), all real, against entry b's keys [key_start[b], key_end[b]) of k, v
         (B, S_k, H_kv, D) (int32, B), aligned bottom-right to key_end; the plan's variant is ranged."""
-        if self._attends_to_nothing(out, lse):
+        if self._attends_to_nothing(out, lse, sink):
             return
         q, out, lse = self._gqa_rows(q, out, lse)
         counter = _tile_counter(q.device)
         self.fn(q, k, v, out, lse, counter, key_start, key_end, 0, 0, *_mask_placeholders(self.device_index),
-                softmax_scale, window_left, window_right, softcap, self.grid, *self._split_args(q))
+                softmax_scale, window_left, window_right, softcap, self.grid, *self._split_args(q),
+                self._sink_arg(sink, lse, q))
 
     def packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, out, lse,
-               softmax_scale: float, window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
+               softmax_scale: float, window_left: int = 0, window_right: int = 0, softcap: float = 0.0,
+               sink=None) -> None:
         """Varlen: q, k, v, out (total, H, D), lse (H, total_q); the plan's variant is packed."""
-        if self._attends_to_nothing(out, lse):
+        if self._attends_to_nothing(out, lse[None], sink):
             return
         counter = _tile_counter(q.device)
         self.fn(q[None], k[None], v[None], out[None], lse[None], counter, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k, *_mask_placeholders(self.device_index), softmax_scale, window_left,
-                window_right, softcap, self.grid, *self._split_args(q))
+                window_right, softcap, self.grid, *self._split_args(q), self._sink_arg(sink, lse[None], q))
 
 
 def kvcache_config(head_dim: int, page_size: int | None) -> FwdConfig | str:
@@ -508,8 +540,8 @@ def kvcache_config(head_dim: int, page_size: int | None) -> FwdConfig | str:
 
 def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
              max_ctas: int | None = None, local: bool = False, softcap: float = 0.0,
-             rows: str = "dense", attn_mask: str = "none", keys_per_entry: int | None = None
-             ) -> FlashFwdLaunch | str | None:
+             rows: str = "dense", attn_mask: str = "none", keys_per_entry: int | None = None,
+             sink: bool = False) -> FlashFwdLaunch | str | None:
     """The forward launch for this layout and band kind (:func:`kernel_band`), the reason no
     kernel covers it, or None when there is nothing to compute. ``config`` and ``max_ctas``
     override the tiles and the persistent grid (experiments). ``rows``: "dense", "packed"
@@ -518,7 +550,7 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     (called through :meth:`FlashFwdLaunch.masked`). ``keys_per_entry``: a kvcache entry's
     capacity (its keys are not k's extent). ``softcap``: the cap (0: none), which picks the
     variant (:func:`softcap_kind`). Tiles too few to fill the GPU split their keys
-    (:func:`num_splits_for`)."""
+    (:func:`num_splits_for`). ``sink``: a variant with attention sinks (launched with ``sink=``)."""
     packed = rows == "packed"
     if packed:
         q, k, v = q[None], k[None], v[None]
@@ -555,7 +587,7 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     capped = softcap_kind(softcap, q.dtype)
     spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=capped != "none",
                     rows=rows, attn_mask=attn_mask, split_kv=splits > 1, rows_per_query=rows_per_query,
-                    bounded_scores=capped == "bounded")
+                    bounded_scores=capped == "bounded", sink=sink)
     return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid, group, (config.tile_m, config.tile_n),
                           splits)
 
@@ -610,17 +642,26 @@ class FlashBwdLaunch:
         interleave = -(-self.num_sms // -(-seqlen_k // self.tile_n)) if in_step else 1
         return order, self.unused_order if turns is None else turns, interleave
 
+    def _sink_args(self, sink, dsink) -> tuple:
+        """(sinks, their gradient), fp32 (H_q,) contiguous, the gradient added to; or placeholders."""
+        if sink is None:
+            unused = self.unused.view(torch.float32)  # never read: the int32 placeholder's bytes
+            return unused, unused
+        return sink, dsink
+
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, window_left: int = 0,
-                 window_right: int = 0, softcap: float = 0.0) -> None:
+                 window_right: int = 0, softcap: float = 0.0, sink=None, dsink=None) -> None:
+        """``sink``, ``dsink`` (every launch): a sink variant's sinks and the gradient it adds to."""
         batch, seqlen_q, heads, head_dim = q.shape
         delta, lse_log2, dq_accum = _bwd_workspaces(batch, heads, -(-seqlen_q // STAT_PAD) * STAT_PAD, seqlen_q,
                                                     head_dim, self.tile_m, q.device)
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum, k.shape[1]),
                 self.unused, self.unused, 0, 0,
                 *_mask_placeholders(self.device_index),
-                softmax_scale, window_left, window_right, softcap)
+                softmax_scale, window_left, window_right, softcap, *self._sink_args(sink, dsink))
 
-    def masked(self, dout, q, k, v, out, lse, attn_mask, dq, dk, dv, softmax_scale: float) -> None:
+    def masked(self, dout, q, k, v, out, lse, attn_mask, dq, dk, dv, softmax_scale: float, sink=None,
+               dsink=None) -> None:
         """PyTorch's attn_mask (see :meth:`FlashFwdLaunch.masked`): key blocks skip the query blocks
         the mask leaves empty for their whole GQA group."""
         batch, seqlen_q, heads, head_dim = q.shape
@@ -643,10 +684,10 @@ class FlashBwdLaunch:
                 *self._dq_order(dq_accum, seqlen_k, turns, bool(in_step)), self.unused, self.unused, 0, 0,
                 *_mask_args(attn_mask, bits, batch, heads, seqlen_q, seqlen_k, self.device_index),
                 blocks.expand(batch, heads, m_blocks, n_blocks), ranges.expand(batch, kv_heads, n_blocks, 2),
-                softmax_scale, 0, 0, 0.0)
+                softmax_scale, 0, 0, 0.0, *self._sink_args(sink, dsink))
 
     def padded(self, dout, q, k, v, out, lse, key_start, key_end, dq, dk, dv, softmax_scale: float,
-               window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
+               window_left: int = 0, window_right: int = 0, softcap: float = 0.0, sink=None, dsink=None) -> None:
         """A padded batch (see :meth:`FlashFwdLaunch.padded`): rows that are not real get zero
         gradients. Each entry's statistics start at its first real query, in its own slot."""
         batch, seqlen_q, heads, head_dim = q.shape
@@ -657,11 +698,11 @@ class FlashBwdLaunch:
         self.fn(dout, q, k, v, out, lse, dq, dk, dv, delta, lse_log2, dq_accum, *self._dq_order(dq_accum, k.shape[1]),
                 key_start, key_end, 0, 0,
                 *_mask_placeholders(self.device_index),
-                softmax_scale, window_left, window_right, softcap)
+                softmax_scale, window_left, window_right, softcap, *self._sink_args(sink, dsink))
 
     def packed(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                dq, dk, dv, softmax_scale: float, window_left: int = 0, window_right: int = 0,
-               softcap: float = 0.0) -> None:
+               softcap: float = 0.0, sink=None, dsink=None) -> None:
         """Varlen: (total, H, D) tensors, lse (H, total_q). The fp32 workspaces hold each
         sequence's rows from a multiple of STAT_PAD on (see kernels.common.seqlen)."""
         total_q, heads, head_dim = q.shape
@@ -672,13 +713,16 @@ class FlashBwdLaunch:
                 delta, lse_log2, dq_accum, *self._dq_order(dq_accum, max_seqlen_k), cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k,
                 *_mask_placeholders(self.device_index),
-                softmax_scale, window_left, window_right, softcap)
+                softmax_scale, window_left, window_right, softcap, *self._sink_args(sink, dsink))
 
 
 def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False,
-             rows: str = "dense", attn_mask: str = "none", deterministic: bool = False) -> FlashBwdLaunch | str:
+             rows: str = "dense", attn_mask: str = "none", deterministic: bool = False,
+             sink: bool = False) -> FlashBwdLaunch | str:
     """The backward launch for this layout of q, k, v, or the reason no kernel covers it
-    (dout and out, loaded like q, are checked by the op layer). ``rows`` as in :func:`plan_fwd`."""
+    (dout and out, loaded like q, are checked by the op layer). ``rows`` as in :func:`plan_fwd`;
+    ``sink``: a variant that also adds the attention sinks' gradient (launched with ``sink=`` and
+    ``dsink=``)."""
     if rows == "packed":
         q, k, v = q[None], k[None], v[None]
     if q.numel() == 0 or k.shape[1] == 0:  # no rows, heads or keys: no grid to launch
@@ -688,7 +732,7 @@ def plan_bwd(q, k, v, causal: bool, local: bool = False, softcap: bool = False,
         return reason
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     spec = bwd_spec(DTYPE_NAMES[q.dtype], q.shape[-1], causal, local=local, softcap=softcap, rows=rows,
-                    attn_mask=attn_mask, deterministic=deterministic)
+                    attn_mask=attn_mask, deterministic=deterministic, sink=sink)
     return FlashBwdLaunch(spec, device_index)
 
 

@@ -8,7 +8,7 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, const_expr
 
 from .dsl_state import DslState
-from .flash_common import LN_2, acc_as_rows_cols
+from .flash_common import LN_2, LOG2_E, acc_as_rows_cols
 
 
 # ---------------------------------------------------------------------------
@@ -113,20 +113,29 @@ class OnlineSoftmax(DslState):
         return row_scale, grew
 
     @cute.jit
-    def finalize(self) -> tuple:
-        """Return (1/row_sum, natural-log LSE); an empty row gives (0, -inf)."""
+    def finalize(self, sink: cute.Tensor = None) -> tuple:
+        """Return (1/row_sum, natural-log LSE); an empty row gives (0, -inf).
+
+        ``sink``: each row's sink logit (natural log, never capped; rmem, one per row), a key
+        that joins the denominator and attends to nothing: the row's max is taken over it too,
+        so a sink far above the scores gives factors near 0 and no overflow. An empty row then
+        gives (0, sink)."""
         out_scale = cute.make_rmem_tensor_like(self.row_sum, Float32)
         lse = cute.make_rmem_tensor_like(self.row_sum, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
             empty = total == 0.0
-            out_scale[r] = 0.0 if empty else cute.arch.rcp_approx(total)
-            row_max = self.row_max[r]
-            lse[r] = (
-                -Float32.inf
-                if empty
-                else (row_max * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
-            )
+            max_scaled = self.row_max[r] * self.scale_log2
+            if const_expr(sink is not None):
+                sink_scaled = sink[r] * LOG2_E
+                both_max = cute.arch.fmax(max_scaled, sink_scaled)
+                kept = cute.math.exp2(max_scaled - both_max, fastmath=True)  # 0 for a -inf max
+                total = total * kept + cute.math.exp2(sink_scaled - both_max, fastmath=True)
+                out_scale[r] = 0.0 if empty else kept * cute.arch.rcp_approx(total)
+                lse[r] = sink[r] if empty else (both_max + cute.math.log2(total, fastmath=True)) * LN_2
+            else:
+                out_scale[r] = 0.0 if empty else cute.arch.rcp_approx(total)
+                lse[r] = -Float32.inf if empty else (max_scaled + cute.math.log2(total, fastmath=True)) * LN_2
         return out_scale, lse
 
 

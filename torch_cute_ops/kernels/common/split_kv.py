@@ -7,6 +7,8 @@ kernel of the same compiled function merges the splits (:class:`SplitKvCombine`)
 
     lse = log sum_s exp(lse_s),    out = sum_s exp(lse_s - lse) O_s
 
+With attention sinks the row's sink joins that sum as one more term, ``exp(sink)``, whose O is 0.
+
 Layouts: the partials are (splits * B, S_q, H_q, D) and (splits * B, H_q, S_q), split-major
 (entry ``split * B + b``); the merged O and lse as the forward kernel sees them, (S, D, H, B)
 and (S, H, B). A split that saw no key has lse -inf and weight 0; a row that no split saw gets
@@ -50,13 +52,15 @@ class SplitKvCombine:
     threads = 128
     rows_per_cta = threads // 32
 
-    def __init__(self, dtype, head_dim: int):
+    def __init__(self, dtype, head_dim: int, sink: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
+        # attention sinks: the row's sink joins the merge as one more split whose O is 0
+        self.sink = sink
 
     @cute.kernel
     def kernel(self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               num_splits: Int32):
+               mSink: cute.Tensor, num_splits: Int32):
         D = self.head_dim
         cute.arch.griddepcontrol_wait()  # launched early: the splits' partials come first
         tidx = cute.arch.thread_idx()[0]
@@ -71,9 +75,15 @@ class SplitKvCombine:
             if lane < num_splits:
                 split_lse = mLSEpart[lane * batch + b, h, s]
             lse_max = cute.arch.warp_reduction_max(split_lse)
+            sink = -Float32.inf
+            if cutlass.const_expr(self.sink):
+                sink = mSink[s, h, b]
+                lse_max = cute.arch.fmax(lse_max, sink)
             safe_max = 0.0 if lse_max == -Float32.inf else lse_max
             total = cute.arch.warp_reduction_sum(
                 cute.math.exp2((split_lse - safe_max) * LOG2_E, fastmath=True))
+            if cutlass.const_expr(self.sink):
+                total += cute.math.exp2((sink - safe_max) * LOG2_E, fastmath=True)
             lse = -Float32.inf if total == 0.0 else safe_max + cute.math.log2(total, fastmath=True) * (1.0 / LOG2_E)
             safe_lse = 0.0 if total == 0.0 else lse
             weight = cute.math.exp2((split_lse - safe_lse) * LOG2_E, fastmath=True)  # 0 past the splits

@@ -83,7 +83,7 @@ class FlashBwdSm90(DqAccumulation):
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int,
                  num_stages: int, local: bool = False, softcap: bool = False, rows: str = "dense",
-                 attn_mask: str = "none", deterministic: bool = False):
+                 attn_mask: str = "none", deterministic: bool = False, sink: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -102,7 +102,9 @@ class FlashBwdSm90(DqAccumulation):
         self.num_stages = num_stages
         self.dq_cols = head_dim // 2  # each MMA warpgroup owns half of the dQ columns
         self.dq_chunk = tile_m * self.dq_cols  # one warpgroup's dQ tile, fp32
-        self.row_kernels = FlashBwdRowKernels(dtype, head_dim, tile_m, rows)  # pre/postprocess
+        # pre/postprocess; with attention sinks the preprocess also forms the sinks' gradient (the
+        # main kernel is the same: the forward's lse already holds the sink, so P is right)
+        self.row_kernels = FlashBwdRowKernels(dtype, head_dim, tile_m, rows, sink)
         # With two 64-key halves per block, S and dP are computed transposed (S^T = K Q^T,
         # keys along WGMMA's M): each warpgroup then holds P^T and dS^T of its own keys in
         # registers, exactly the A operands of dV += P^T dO and dK += dS^T Q, and only dS
@@ -167,7 +169,7 @@ class FlashBwdSm90(DqAccumulation):
                  max_seqlen_q: Int32, max_seqlen_k: Int32, mMask: cute.Tensor, mMaskBits: cute.Tensor,
                  mMaskBlocks: cute.Tensor,
                  mMaskRange: cute.Tensor, softmax_scale: Float32, window_left: Int32,
-                 window_right: Int32, softcap: Float32, stream):
+                 window_right: Int32, softcap: Float32, stream, mSink: cute.Tensor, mdSink: cute.Tensor):
         # per batch entry: its query rows, padded to whole query blocks for the statistics
         # (pad: delta 0, lse +inf), and its key rows
         batch, seqlen_q, padded_q, seqlen_k = mQ.shape[0], mQ.shape[1], mDelta.shape[2], mK.shape[1]
@@ -177,7 +179,8 @@ class FlashBwdSm90(DqAccumulation):
             padded_q = cute.ceil_div(max_seqlen_q, _STAT_PAD) * _STAT_PAD
         heads, keys_extent = cute.size(mQ.shape[2]), mK.shape[1]
         rows = self.row_kernels
-        rows.preprocess(mO, mdO, mLSE, mDelta, mLSElog2, mdQacc, mSeqInfoQ, mSeqInfoK, keys_extent).launch(
+        rows.preprocess(mO, mdO, mLSE, mDelta, mLSElog2, mdQacc, mSeqInfoQ, mSeqInfoK, keys_extent, mSink,
+                        mdSink).launch(
             grid=(cute.ceil_div(padded_q * heads, rows.rows_per_cta), batch, 1),
             block=[rows.row_threads, 1, 1], stream=stream)
         self._launch_main(mdO, mQ, mK, mV, mLSElog2, mdK, mdV, mDelta, mdQacc, (mDqOrder, mDqTurns, dq_interleave),
@@ -734,7 +737,8 @@ def build(spec: KernelSpec):
     dtype, head_dim = _DTYPES[spec["dtype"]], spec["head_dim"]
     tile_m, tile_n = spec["tile"]
     kernel = FlashBwdSm90(dtype, head_dim, spec["causal"], tile_m, tile_n, spec["stages"], spec["local"],
-                          spec["softcap"], spec["rows"], spec["attn_mask"], spec.get("deterministic", False))
+                          spec["softcap"], spec["rows"], spec["attn_mask"], spec.get("deterministic", False),
+                          spec.get("sink", False))
     bhs = lambda: cute.runtime.make_fake_tensor(
         Float32, (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
         stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
@@ -764,5 +768,8 @@ def build(spec: KernelSpec):
         *mask_fakes(spec["attn_mask"], dtype),
         Float32(1.0), Int32(0), Int32(0), Float32(1.0),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        # the sinks (H_q,) and their gradient, fp32 (sink variants; else unread)
+        cute.runtime.make_fake_compact_tensor(Float32, (cute.sym_int32(),), assumed_align=4),
+        cute.runtime.make_fake_compact_tensor(Float32, (cute.sym_int32(),), assumed_align=4),
     )
     return kernel, fake_args

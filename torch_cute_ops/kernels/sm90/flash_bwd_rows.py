@@ -4,6 +4,9 @@
   written to (B, H, S_q) copies padded to whole query blocks (so that the main kernel's TMA
   loads them whole); padding rows, and rows that attend to nothing, get lse = +inf (P = 0).
   Its CTAs also zero the fp32 dQ accumulator, an even contiguous share each (no fill launch).
+  With attention sinks, each row's ``exp(sink[h] - lse) * delta`` is summed per CTA, whose rows
+  then share one head (head-major rows), and subtracted from ``dsink[h]`` with one fp32 reduction:
+  the sink's gradient with no pass of its own over O and dO.
 * ``postprocess``: the fp32 dQ accumulator, which the main kernel's writer warps fill with bulk
   reduce-adds in accumulator order (:func:`accumulator_order`), put back at the (row, col) the
   dQ GEMM's C partition gives each value, times the softmax scale, in the input dtype.
@@ -40,8 +43,9 @@ class FlashBwdRowKernels:
     row_threads = 128
     post_threads = 256  # the dQ GEMM's two warpgroups
 
-    def __init__(self, dtype, head_dim: int, tile_m: int, rows: str):
+    def __init__(self, dtype, head_dim: int, tile_m: int, rows: str, sink: bool = False):
         self.dtype = dtype
+        self.sink = sink
         self.head_dim = head_dim
         self.tile_m = tile_m
         self.rows = rows
@@ -54,10 +58,31 @@ class FlashBwdRowKernels:
     @cute.jit
     def _row_coords(self, num_h):
         """This thread's (b, s, h) row (h fastest; the batch entry is the grid's y) and its
-        lane in the row's thread group."""
+        lane in the row's thread group. Sink variants go head-major, s fastest: the grid covers
+        each head's padded rows, a multiple of the CTA's, so a CTA's rows share their head."""
         tidx = cute.arch.thread_idx()[0]
         row = cute.arch.block_idx()[0] * self.rows_per_cta + tidx // self.threads_per_row
-        return cute.arch.block_idx()[1], row // num_h, row % num_h, tidx % self.threads_per_row
+        lane = tidx % self.threads_per_row
+        if const_expr(self.sink):
+            rows_per_head = cute.arch.grid_dim()[0] * self.rows_per_cta // num_h
+            return cute.arch.block_idx()[1], row % rows_per_head, row // rows_per_head, lane
+        return cute.arch.block_idx()[1], row // num_h, row % num_h, lane
+
+    @cute.jit
+    def _sink_grad(self, term: Float32, h, mdSink: cute.Tensor):
+        """``dsink[h] -= `` the CTA's sum of its rows' ``term`` (given by each row's lane 0; 0 on
+        the other lanes): warp shuffles, then the warps' sums through shared memory."""
+        warp_sums = cutlass.memory.SmemAllocator().allocate_tensor(Float32, cute.make_layout(self.row_threads // 32))
+        warp_sum = cute.arch.warp_reduction_sum(term)
+        tidx = cute.arch.thread_idx()[0]
+        if tidx % 32 == 0:
+            warp_sums[tidx // 32] = warp_sum
+        cute.arch.sync_threads()
+        if tidx == 0:
+            total = Float32(0.0)
+            for w in cutlass.range_constexpr(self.row_threads // 32):
+                total += warp_sums[w]
+            cute.arch.red(mdSink.iterator + h, -total, op="add", dtype=Float32, sem="relaxed", scope="gpu")
 
     @cute.jit
     def _zero_share(self, mdQacc: cute.Tensor):
@@ -79,7 +104,7 @@ class FlashBwdRowKernels:
     @cute.kernel
     def preprocess(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor,
                    mLSElog2: cute.Tensor, mdQacc: cute.Tensor, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor,
-                   keys_extent: Int32):
+                   keys_extent: Int32, mSink: cute.Tensor, mdSink: cute.Tensor):
         # the main kernel may launch now and load K, V and Q: it waits for this grid before it
         # reads lse and delta or adds to the accumulator
         cute.arch.griddepcontrol_launch_dependents()
@@ -102,6 +127,14 @@ class FlashBwdRowKernels:
                 row_sum += (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         # every lane shuffles, valid row or not: the groups never straddle rows
         total = cute.arch.warp_reduction_sum(row_sum, threads_in_group=self.threads_per_row)
+        if const_expr(self.sink):
+            # this row's share of d loss / d sink[h]: -exp(sink - lse) * delta (0 past the entry)
+            term = Float32(0.0)
+            if in_seq and lane == 0:
+                row_lse = mLSE[q_entry, h, q_row]
+                if row_lse != -math.inf:  # a -inf sink and no key: no share
+                    term = cute.math.exp2((mSink[h] - row_lse) * LOG2_E, fastmath=True) * total
+            self._sink_grad(term, h, mdSink)
         if s < padded_q:
             if lane == 0:
                 # rows past seqlen_q and rows that attend to nothing (lse = -inf) get

@@ -79,7 +79,7 @@ def _scores_to_p(tOrP, acc_s):
 class FlashFwdSm90(ScoreMasks):
     def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig, local: bool = False,
                  softcap: bool = False, rows: str = "dense", attn_mask: str = "none", split_kv: bool = False,
-                 rows_per_query: int = 1, bounded_scores: bool = False):
+                 rows_per_query: int = 1, bounded_scores: bool = False, sink: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -106,7 +106,10 @@ class FlashFwdSm90(ScoreMasks):
         # warp gathers Q with cp.async and the epilogue stores O row by row.
         self.rows_per_query = rows_per_query
         self.gathered_rows = rows_per_query > 1
-        self.combine = SplitKvCombine(dtype, head_dim)
+        # attention sinks: a logit per query head in every row's denominator, joined at the
+        # softmax finalize (split variants: at the combine, after the splits' own lse)
+        self.sink = sink
+        self.combine = SplitKvCombine(dtype, head_dim, sink)
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
         self.num_wg = config.num_wg
@@ -154,14 +157,17 @@ class FlashFwdSm90(ScoreMasks):
         mOpart: cute.Tensor,  # split variants: (splits * B, S_q, H_q, D) fp32 partial O; else unread
         mLSEpart: cute.Tensor,  # (splits * B, H_q, S_q) fp32 partial lse
         num_splits: Int32,
+        mSink: cute.Tensor,  # sink variants: each row's sink, fp32, lse's shape with zero strides on
+        #                      all but the heads (a (H_q,) vector seen as (B, H_q, S_q)); else unread
     ):
         D = self.head_dim
         # (S, D, H, B): TMA tiles modes 0-1, heads and batch index the rest
         mQ, mK, mV, mO = [seq_major(t) for t in (mQ, mK, mV, mO)]
         mLSE = _select(mLSE, [2, 1, 0])  # (S_q, H_q, B)
-        mO_final, mLSE_final = mO, mLSE  # the combine's view (split variants)
+        mSink = _select(mSink, [2, 1, 0])  # indexed as lse is
+        mO_final, mLSE_final, mSink_final = mO, mLSE, mSink  # the combine's view (split variants)
         tma_mQ_src, tma_mO_src = mQ, mO  # gathered rows: the TMA atoms are built but never used
-        mQ, mO, mLSE = self._rows(mQ, 2), self._rows(mO, 2), self._rows(mLSE, 1)
+        mQ, mO, mLSE, mSink = self._rows(mQ, 2), self._rows(mO, 2), self._rows(mLSE, 1), self._rows(mSink, 1)
         # packed: B = 1 and S the total; the sequences' bounds come from cu_seqlens
         seqlen_q, seqlen_k, batch = cute.size(mQ, mode=[0]), mK.shape[0], mQ.shape[3]
         if const_expr(self.rows == "packed"):
@@ -229,7 +235,7 @@ class FlashFwdSm90(ScoreMasks):
             tiled_mma_qk, tiled_mma_pv,
             q_layout, k_layout, v_layout,
             *self._softmax_scales(softmax_scale, softcap), window_left, window_right,
-            num_m_blocks, heads_per_section,
+            num_m_blocks, heads_per_section, mSink,
             tx_bytes[0], tx_bytes[1], tx_bytes[2],
             SharedStorage,
         ).launch(
@@ -240,7 +246,7 @@ class FlashFwdSm90(ScoreMasks):
         )
         if const_expr(self.split_kv):
             rows = cute.size(mO_final.shape[0]) * cute.size(mO_final.shape[2]) * cute.size(mO_final.shape[3])
-            self.combine.kernel(mOpart, mLSEpart, mO_final, mLSE_final, num_splits).launch(
+            self.combine.kernel(mOpart, mLSEpart, mO_final, mLSE_final, mSink_final, num_splits).launch(
                 grid=[cute.ceil_div(rows, self.combine.rows_per_cta), 1, 1],
                 block=[self.combine.threads, 1, 1], stream=stream, use_pdl=True)
 
@@ -292,6 +298,7 @@ class FlashFwdSm90(ScoreMasks):
         window_right: Int32,
         num_m_blocks: Int32,
         heads_per_section: Int32,
+        mSink: cute.Tensor,
         tx_bytes_q: cutlass.Constexpr[int],
         tx_bytes_k: cutlass.Constexpr[int],
         tx_bytes_v: cutlass.Constexpr[int],
@@ -375,7 +382,8 @@ class FlashFwdSm90(ScoreMasks):
             self.consume(mO, mO_rows, mLSE, sQ, sK, sV, sO, tma_o, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tile_source, scale_log2, cap_scale,
                          cute.size(mQ, mode=[0]), mK.shape[0], mSeqInfoQ, mSeqInfoK, (mMask, mMaskBits), mMaskBlocks,
-                         mMaskRange, inv_scale, window_left, window_right, pages_per_entry, page_size, splits)
+                         mMaskRange, inv_scale, window_left, window_right, pages_per_entry, page_size, splits,
+                         mSink)
 
     # -------------------------------------------------------------- producer
     @cute.jit
@@ -497,7 +505,8 @@ class FlashFwdSm90(ScoreMasks):
                 pipe_q, pipe_k, pipe_v, tile_source: TileSource,
                 scale_log2: Float32, cap_scale: Float32, seqlen_q: Int32, seqlen_k: Int32,
                 mSeqInfoQ, mSeqInfoK, user_mask, mMaskBlocks, mMaskRange, inv_scale: Float32,
-                window_left: Int32, window_right: Int32, pages_per_entry: Int32, page_size: Int32, splits):
+                window_left: Int32, window_right: Int32, pages_per_entry: Int32, page_size: Int32, splits,
+                mSink):
         D = self.head_dim
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -548,6 +557,9 @@ class FlashFwdSm90(ScoreMasks):
                 keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch, split,
                                       splits)
                 row_start = m_block * self.tile_m + wg * 64
+                sink = None
+                if const_expr(self.sink and not self.split_kv):  # read now: its latency hides under the keys
+                    sink = self.row_sinks(mSink, thr_pv, head, batch, row_start, bounds)
                 masks = self.tile_mask(tScS, t0ScS, m_block, head, batch, bounds, window_left, window_right,
                                        cap_scale, user_mask, inv_scale)
 
@@ -571,7 +583,7 @@ class FlashFwdSm90(ScoreMasks):
                     store_partial(acc_o, lse, mO_rows, mLSE, thr_pv, head, slot, row_start, bounds.seqlen_q, D)
                 else:
                     self.epilogue(acc_o, softmax, mO, mO_rows, mLSE, sO[None, None, wg], tma_o, tiled_mma_pv,
-                                  thr_pv, wg, wg_tidx, m_block, head, batch, row_start, bounds)
+                                  thr_pv, wg, wg_tidx, m_block, head, batch, row_start, bounds, sink)
                 if const_expr(not self.separate_o):
                     pipe_q.consumer_release(q_state)
                 q_state.advance()
@@ -716,10 +728,23 @@ class FlashFwdSm90(ScoreMasks):
             )
 
     @cute.jit
+    def row_sinks(self, mSink: cute.Tensor, thr_pv, head, batch, row_start, bounds: SeqBounds) -> cute.Tensor:
+        """The sink logit of each O row this thread holds (rows past the entry's end: 0, unused)."""
+        tOcO = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((64, self.head_dim))))
+        sink = cute.make_rmem_tensor(cute.size(tOcO, mode=[0]), Float32)
+        for r in cutlass.range_constexpr(cute.size(sink)):
+            sink[r] = 0.0
+            row = row_start + tOcO[r, 0][0]
+            if row < bounds.seqlen_q:
+                sink_row, entry = bounds.q_index(row, batch)
+                sink[r] = mSink[sink_row, head, entry]
+        return sink
+
+    @cute.jit
     def epilogue(self, acc_o, softmax: OnlineSoftmax, mO, mO_rows, mLSE, sO, tma_o, tiled_mma_pv, thr_pv,
-                 wg, wg_tidx, m_block, head, batch, row_start, bounds: SeqBounds):
+                 wg, wg_tidx, m_block, head, batch, row_start, bounds: SeqBounds, sink=None):
         D = self.head_dim
-        out_scale, lse = softmax.finalize()
+        out_scale, lse = softmax.finalize(sink)
         scale_rows(acc_o, out_scale)
 
         # LSE: the lane holding column 0 of a row writes it
@@ -767,7 +792,7 @@ def build(spec: KernelSpec):
     head_dim, causal = spec["head_dim"], spec["causal"]
     kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]), spec["local"], spec["softcap"],
                           spec["rows"], spec["attn_mask"], spec["split_kv"], spec.get("rows_per_query", 1),
-                          spec.get("bounded_scores", False))
+                          spec.get("bounded_scores", False), spec.get("sink", False))
 
     def bhsd(elem):
         # (B, S, H, D), any strides but the last; 16-byte aligned rows for TMA
@@ -782,6 +807,10 @@ def build(spec: KernelSpec):
         (cute.sym_int64(), cute.sym_int64(), 1),
         assumed_align=4,
     )
+    # the sinks as lse's shape sees them: a (H_q,) vector with zero strides on the rest
+    sink = cute.runtime.make_fake_tensor(
+        Float32, (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
+        (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
     counter = cute.runtime.make_fake_compact_tensor(Int32, (1,), assumed_align=4)
     # the row bounds of a packed or padded variant; a dense one is passed a placeholder it never reads
     cu_seqlens = lambda: cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
@@ -789,5 +818,5 @@ def build(spec: KernelSpec):
     fake_args = (bhsd(dtype), bhsd(dtype), bhsd(dtype), bhsd(dtype), lse, counter, cu_seqlens(), cu_seqlens(),
                  Int32(0), Int32(0), *mask_fakes(spec["attn_mask"], dtype), 1.0, Int32(0), Int32(0),
                  Float32(1.0),
-                 132, stream, *split_fakes(head_dim))
+                 132, stream, *split_fakes(head_dim), sink)
     return kernel, fake_args
