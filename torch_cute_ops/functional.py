@@ -10,6 +10,7 @@ from .ops import attention as _attention
 from .ops import attention_kvcache as _attention_kvcache
 from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
+from .ops import grouped_gemm as _grouped_gemm
 from .ops import checks
 from .ops import scaled_gemm as _scaled_gemm
 from .ops import bounds
@@ -47,6 +48,38 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     if dispatcher_free(a, b, scale_a, scale_b, bias):
         return _scaled_gemm.scaled_gemm_impl(a, b, scale_a, scale_b, bias, out_dtype, activation)
     return torch.ops.cute.scaled_gemm(a, b, scale_a, scale_b, bias, out_dtype, activation)
+
+
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.nn.functional.grouped_mm``'s semantics (a Mixture-of-Experts layer's expert GEMMs):
+
+    * 2D x 3D: mat_a (M, K) rows grouped by ``offs`` (int32 (G,), cumulative group ends: group g
+      owns rows ``offs[g - 1]:offs[g]``), mat_b (G, K, N) (e.g. ``w.transpose(-2, -1)`` of a
+      (G, N, K) weight) -> (M, N);
+    * 3D x 3D: batched, no offs -> (G, M, N);
+    * 2D x 2D: mat_a (M, K) and mat_b (K, N), K grouped by offs -> (G, M, N) (a weight gradient);
+    * 3D x 2D: mat_a (G, M, K), mat_b (K, N), N grouped by offs -> (M, N) (column-major).
+
+    Groups of any size, zero included; rows (columns) past ``offs[-1]`` come out zero. ``bias``
+    (G, N): group g's row added to its outputs (forms with a 3-D mat_b). Differentiable; the
+    backward runs the same op. ``offs`` is checked (0 <= offs <= the grouped extent,
+    non-decreasing) without a host sync: on a GPU a violation is a device-side assertion.
+    """
+    if dispatcher_free(mat_a, mat_b, offs, bias):
+        return _grouped_gemm.grouped_mm_impl(mat_a, mat_b, offs, bias, out_dtype)
+    return torch.ops.cute.grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
+
+
+def grouped_mm_masked(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """DeepGEMM's masked grouped layout (decoding under CUDA graphs): a (G, capacity, K), b (G, K, N),
+    ``counts`` int32 (G,) on the device: group g's first ``counts[g]`` rows are real. Returns
+    (G, capacity, N); rows past a group's count are unspecified (the kernel skips their tiles).
+    No host sync. Not differentiable."""
+    if dispatcher_free(a, b, counts):
+        return _grouped_gemm.grouped_mm_masked_impl(a, b, counts, out_dtype)
+    return torch.ops.cute.grouped_mm_masked(a, b, counts, out_dtype)
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

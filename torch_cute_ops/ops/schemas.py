@@ -36,6 +36,9 @@ SCHEMAS = {
                           "float softcap=0.0, Tensor? cache_leftpad=None) -> (Tensor out, Tensor lse)",
     "scaled_gemm": "scaled_gemm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias=None, "
                    "ScalarType? out_dtype=None, str? activation=None) -> Tensor",
+    "grouped_mm": "grouped_mm(Tensor mat_a, Tensor mat_b, Tensor? offs=None, Tensor? bias=None, "
+                  "ScalarType? out_dtype=None) -> Tensor",
+    "grouped_mm_masked": "grouped_mm_masked(Tensor a, Tensor b, Tensor counts, ScalarType? out_dtype=None) -> Tensor",
 }
 
 # Kernels never take the reference's CPU path, but CPU tensors must work everywhere.
