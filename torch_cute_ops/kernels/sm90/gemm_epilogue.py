@@ -183,10 +183,12 @@ class GemmEpilogue:
                 acc[i] = acc[i] * scale
 
     @cute.jit
-    def _store_direct(self, acc, tCcC, mC_mnl, row_start, col_start, batch_idx):
+    def _store_direct(self, acc, tCcC, mC_mnl, row_start, col_start, batch_idx, row_end=None):
         """fp32 (or swapped 16-bit) out: each thread stores its accumulator values, predicated
-        on the M/N tails."""
+        on the M/N tails (``row_end``: a grouped tile's group end instead of M)."""
         num_rows, num_cols = mC_mnl.shape[0], mC_mnl.shape[1]
+        if cutlass.const_expr(row_end is not None):
+            num_rows = row_end
         for i in cutlass.range_constexpr(cute.size(acc)):
             row = row_start + tCcC[i][0]
             col = col_start + tCcC[i][1]
