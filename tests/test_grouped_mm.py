@@ -244,3 +244,45 @@ def test_launch_plans(monkeypatch):
     assert (launch.spec["grouped"], launch.spec["a_major"], launch.spec["b_major"]) == ("k", "m", "n")
     assert {s.name for s in host.SM90.shipped()} >= {launch.spec.name}
     assert isinstance(host.SM90.plan("rows", (1000, 3), (3, 1), (8, 3, 1024), (3072, 1024, 1), x.dtype, x.dtype, 8, 0), str)
+
+
+# ------------------------------------------------------------------------------ gated forms
+
+def swiglu64(pre, layout, activation, alpha=1.702, limit=7.0):
+    """Written out here (independent of the package's reference)."""
+    if layout == "interleaved":
+        gate, up = pre[:, 0::2], pre[:, 1::2]
+    else:
+        gate, up = pre.chunk(2, dim=1)
+    if activation == "swiglu":
+        return gate / (1 + torch.exp(-gate)) * up
+    gate, up = torch.minimum(gate, torch.tensor(limit, dtype=pre.dtype)), up.clamp(-limit, limit)
+    return (up + 1) * gate / (1 + torch.exp(-alpha * gate))
+
+
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+@pytest.mark.parametrize("activation", ["swiglu", "swiglu_oai"])
+def test_gated_forward_and_backward(activation, layout):
+    torch.manual_seed(0)
+    offs = offsets([3, 0, 6, 1])
+    a = torch.randn(12, 5, dtype=torch.float64, requires_grad=True)
+    b = (2 * torch.randn(4, 5, 8, dtype=torch.float64)).requires_grad_()
+    out = tco.grouped_mm(a, b, offs, activation=activation, gate_up_layout=layout, alpha=1.5, limit=2.0)
+    assert out.shape == (12, 4)
+    torch.testing.assert_close(out, swiglu64(loop64(a, b, offs), layout, activation, 1.5, 2.0))
+    assert torch.autograd.gradcheck(
+        lambda a, b: tco.grouped_mm(a, b, offs, activation=activation, gate_up_layout=layout, alpha=1.5, limit=2.0),
+        (a, b))
+    torch.library.opcheck(torch.ops.cute.grouped_mm_swiglu.default, (a, b, offs, activation, layout, 1.5, 2.0))
+
+
+def test_gated_errors_name_the_argument():
+    a, b, offs = torch.randn(6, 4), torch.randn(2, 4, 6), offsets([2, 4])
+    with pytest.raises(ValueError, match="^activation: expected one of"):
+        tco.grouped_mm(a, b, offs, activation="gelu")
+    with pytest.raises(ValueError, match="^gate_up_layout: expected one of"):
+        tco.grouped_mm(a, b, offs, activation="swiglu", gate_up_layout="split")
+    with pytest.raises(ValueError, match="^mat_b: expected an even N"):
+        tco.grouped_mm(a, torch.randn(2, 4, 5), offs, activation="swiglu")
+    with pytest.raises(NotImplementedError, match="^activation: swiglu needs the 2D x 3D form"):
+        tco.grouped_mm(torch.randn(4, 6), torch.randn(6, 4), offs, activation="swiglu")

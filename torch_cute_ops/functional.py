@@ -51,7 +51,9 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
 
 
 def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
-               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *,
+               activation: str | None = None, gate_up_layout: str = "concat", alpha: float = 1.702,
+               limit: float = 7.0) -> torch.Tensor:
     """``torch.nn.functional.grouped_mm``'s semantics (a Mixture-of-Experts layer's expert GEMMs):
 
     * 2D x 3D: mat_a (M, K) rows grouped by ``offs`` (int32 (G,), cumulative group ends: group g
@@ -65,7 +67,22 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | No
     (G, N): group g's row added to its outputs (forms with a 3-D mat_b). Differentiable; the
     backward runs the same op. ``offs`` is checked (0 <= offs <= the grouped extent,
     non-decreasing) without a host sync: on a GPU a violation is a device-side assertion.
+
+    ``activation`` (2D x 3D, a fused gate/up projection): mat_b's N columns hold gate and up,
+    ``gate_up_layout="concat"`` ([gate | up], Qwen3 / Mixtral) or ``"interleaved"`` (gpt-oss:
+    gate at even columns, up at odd ones); returns N / 2 columns. ``"swiglu"``: silu(gate) * up;
+    ``"swiglu_oai"`` (gpt-oss): gate clamped above at ``limit``, up to [-limit, limit], (up + 1) *
+    gate * sigmoid(alpha * gate). Applied to the fp32 accumulator; differentiable (the backward
+    recomputes the pre-activation).
     """
+    if activation is not None:
+        if bias is not None:
+            raise NotImplementedError("bias: not taken together with activation")
+        if dispatcher_free(mat_a, mat_b, offs):
+            return _grouped_gemm.grouped_mm_swiglu_impl(mat_a, mat_b, offs, activation, gate_up_layout,
+                                                        float(alpha), float(limit), out_dtype)
+        return torch.ops.cute.grouped_mm_swiglu(mat_a, mat_b, offs, activation, gate_up_layout, float(alpha),
+                                                float(limit), out_dtype)
     if dispatcher_free(mat_a, mat_b, offs, bias):
         return _grouped_gemm.grouped_mm_impl(mat_a, mat_b, offs, bias, out_dtype)
     return torch.ops.cute.grouped_mm(mat_a, mat_b, offs, bias, out_dtype)

@@ -256,3 +256,66 @@ register_impl("grouped_mm_masked", grouped_mm_masked_impl)
 def _grouped_mm_masked_fake(a, b, counts, out_dtype=None):
     shape, out_dtype = _validate_masked(a, b, counts, out_dtype)
     return a.new_empty(shape, dtype=out_dtype)
+
+
+# ------------------------------------------------------------------------- gated (SwiGLU)
+
+GATED_ACTIVATIONS = ("swiglu", "swiglu_oai")
+GATE_UP_LAYOUTS = ("concat", "interleaved")
+
+
+def _validate_gated(a, b, offs, activation, gate_up_layout, out_dtype):
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {GATED_ACTIVATIONS}, got {activation!r}")
+    if gate_up_layout not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up_layout: expected one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+    form, shape, out_dtype, extent = _validate(a, b, offs, None, out_dtype)
+    if form != "rows":
+        raise NotImplementedError(f"activation: {activation} needs the 2D x 3D form, got {a.dim()}D x {b.dim()}D")
+    if shape[1] % 2:
+        raise ValueError(f"mat_b: expected an even N (gate and up columns), got shape {tuple(b.shape)}")
+    return (shape[0], shape[1] // 2), out_dtype
+
+
+def grouped_mm_swiglu_impl(mat_a, mat_b, offs, activation, gate_up_layout, alpha=1.702, limit=7.0, out_dtype=None):
+    """The gate/up projection's grouped GEMM in fp32, then the gated activation (not yet fused
+    into the kernel's epilogue: see bench/NOTES.md, 2026-11-28, "Grouped GEMM for MoE")."""
+    shape, out_dtype = _validate_gated(mat_a, mat_b, offs, activation, gate_up_layout, out_dtype)
+    pre = grouped_mm_impl(mat_a, mat_b, offs, None, _acc_dtype(mat_a.dtype))
+    return reference.swiglu(pre, gate_up_layout, activation, alpha, limit).to(out_dtype)
+
+
+register_impl("grouped_mm_swiglu", grouped_mm_swiglu_impl)
+
+
+@torch.library.register_fake(qualname("grouped_mm_swiglu"), lib=lib)
+def _grouped_mm_swiglu_fake(mat_a, mat_b, offs, activation, gate_up_layout, alpha=1.702, limit=7.0, out_dtype=None):
+    shape, out_dtype = _validate_gated(mat_a, mat_b, offs, activation, gate_up_layout, out_dtype)
+    return mat_a.new_empty(shape, dtype=out_dtype)
+
+
+def _setup_gated(ctx, inputs, output):
+    mat_a, mat_b, offs, activation, layout, alpha, limit, _ = (*inputs, 1.702, 7.0, None)[:8]
+    ctx.gated = (activation, layout, alpha, limit)
+    ctx.save_for_backward(mat_a, mat_b, offs)
+
+
+def _backward_gated(ctx, grad):
+    """The pre-activation is recomputed (one more grouped GEMM, fp32 out) rather than stored: an
+    expert layer's (rows, 2H) buffer per layer is what MoE training is short of. The activation's
+    derivative is autograd of the reference math; dA and dB are the plain grouped_mm's."""
+    mat_a, mat_b, offs = ctx.saved_tensors
+    activation, layout, alpha, limit = ctx.gated
+    pre = torch.ops.cute.grouped_mm(mat_a, mat_b, offs, None, _acc_dtype(mat_a.dtype)).detach().requires_grad_()
+    with torch.enable_grad():
+        out = reference.swiglu(pre, layout, activation, alpha, limit)
+        (grad_pre,) = torch.autograd.grad(out, pre, grad.to(out.dtype))
+    grad_pre = grad_pre.to(mat_a.dtype)
+    need_a, need_b = (*ctx.needs_input_grad, False, False)[:2]
+    op = torch.ops.cute.grouped_mm
+    grad_a = op(grad_pre, mat_b.mT, offs) if need_a else None
+    grad_b = op(mat_a.mT, grad_pre, offs) if need_b else None
+    return grad_a, grad_b, None, None, None, None, None, None
+
+
+torch.library.register_autograd(qualname("grouped_mm_swiglu"), _backward_gated, setup_context=_setup_gated, lib=lib)
