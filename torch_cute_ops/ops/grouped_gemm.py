@@ -121,7 +121,9 @@ def _plan(a, b, offs, bias, out_dtype) -> GroupedPlan:
     if plan is None:
         form, shape, out_dtype, extent = _validate(a, b, offs, bias, out_dtype)
         launch = reason = None
-        if form in ("rows", "k") and bias is None and math.prod(shape) > 0:
+        # no groups, or no k to reduce: the output is zeros, which the reference makes at no cost
+        trivial = form in ("rows", "k") and (offs.shape[0] == 0 or extent == 0)
+        if form in ("rows", "k") and bias is None and math.prod(shape) > 0 and not trivial:
             launch, reason = _host_plan("grouped_mm", a, b, form, out_dtype, offs.shape[0])
         elif bias is not None and a.is_cuda:
             reason = "grouped_mm: no kernel adds a per-group bias yet"
