@@ -286,3 +286,17 @@ def test_gated_errors_name_the_argument():
         tco.grouped_mm(a, torch.randn(2, 4, 5), offs, activation="swiglu")
     with pytest.raises(NotImplementedError, match="^activation: swiglu needs the 2D x 3D form"):
         tco.grouped_mm(torch.randn(4, 6), torch.randn(6, 4), offs, activation="swiglu")
+
+
+def test_gated_launch_plan(monkeypatch):
+    """Interleaved gate/up columns plan the fused variant: out has half of b's columns, the grid
+    tiles b's."""
+    monkeypatch.setattr(host, "get_compiled", lambda spec: lambda *args: None)
+    monkeypatch.setattr(host, "sm_count", lambda index: 132)
+    x, w = torch.randn(1000, 512, dtype=torch.bfloat16), torch.randn(8, 1024, 512, dtype=torch.bfloat16)
+    b = w.transpose(-2, -1)
+    launch = host.SM90.plan("rows", tuple(x.shape), x.stride(), tuple(b.shape), b.stride(), x.dtype, x.dtype, 8, 0,
+                            gated=("swiglu_oai", 1.702, 7.0))
+    assert (launch.spec["gated"], launch.spec["gate_alpha"], launch.spec["gate_limit"]) == ("swiglu_oai", 1.702, 7.0)
+    assert launch.grid == (8 + 9) * 4 and launch.out_view is None
+    assert launch.spec in host.SM90.shipped()

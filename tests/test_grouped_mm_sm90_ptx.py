@@ -14,7 +14,11 @@ from torch_cute_ops.runtime.gemm_config import GemmConfig  # noqa: E402
 SHIPPED = grouped_gemm.SM90.shipped()
 
 
-@pytest.mark.parametrize("spec", SHIPPED, ids=lambda s: f"{s['grouped']}_{s['a_major']}{s['b_major']}")
+PLAIN = [s for s in SHIPPED if not s.get("gated")]
+GATED = [s for s in SHIPPED if s.get("gated")]
+
+
+@pytest.mark.parametrize("spec", PLAIN, ids=lambda s: f"{s['grouped']}_{s['a_major']}{s['b_major']}")
 def test_grouped_ptx(spec, variant_ptx):
     ptx = variant_ptx(spec).read_text()
     assert re.search(r"^\.target\s+sm_90a", ptx, re.M)
@@ -41,6 +45,18 @@ def test_grouped_ptx(spec, variant_ptx):
         assert not zeroing
 
 
+@pytest.mark.parametrize("spec", GATED, ids=lambda s: s["gated"])
+def test_gated_ptx(spec, variant_ptx):
+    """Interleaved gate/up columns: one output per column pair of each thread (64 x 256 / 128 / 2
+    values), each through exp2 and a reciprocal, stored from registers; no smem ring."""
+    ptx = variant_ptx(spec).read_text()
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "stmatrix" not in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
+    pairs = 64 * 256 // 128 // 2
+    assert ptx.count("st.global.b16") == pairs
+    assert ptx.count("ex2.approx") == pairs and ptx.count("rcp.approx") == pairs
+
+
 def test_grouped_variants_are_cooperative_and_plain():
     from torch_cute_ops.kernels.sm90.gemm import Sm90Gemm
     import cutlass
@@ -54,3 +70,5 @@ def test_grouped_variants_are_cooperative_and_plain():
         Sm90Gemm(bf16, bf16, True, False, True, None, GemmConfig(128, 256), grouped="k")
     with pytest.raises(ValueError, match="grouped must be one of"):
         Sm90Gemm(bf16, bf16, True, False, False, None, GemmConfig(128, 256), grouped="cols")
+    with pytest.raises(ValueError, match="gated epilogues"):
+        Sm90Gemm(bf16, bf16, True, False, False, None, GemmConfig(128, 256), grouped="k", gated=("swiglu", 1.0, 7.0))

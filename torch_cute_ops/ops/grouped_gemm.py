@@ -97,7 +97,7 @@ _MAX_PLANS = 4096
 _plans: dict[tuple, GroupedPlan] = {}
 
 
-def _host_plan(op: str, a, b, form, out_dtype, groups: int):
+def _host_plan(op: str, a, b, form, out_dtype, groups: int, gated=None):
     """(launch, reason) of the grouped kernel for this layout."""
     if not a.is_cuda:
         return None, None
@@ -105,7 +105,7 @@ def _host_plan(op: str, a, b, form, out_dtype, groups: int):
     if isinstance(host, str):
         return None, host
     launch = host.plan(form, tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype, out_dtype, groups,
-                       dispatch.device_index(a.device))
+                       dispatch.device_index(a.device), gated=gated)
     return (None, launch) if isinstance(launch, str) else (launch, None)
 
 
@@ -279,10 +279,36 @@ def _validate_gated(a, b, offs, activation, gate_up_layout, out_dtype):
     return (shape[0], shape[1] // 2), out_dtype
 
 
+_gated_plans: dict[tuple, tuple] = {}
+
+
+def _gated_plan(mat_a, mat_b, offs, activation, gate_up_layout, alpha, limit, out_dtype):
+    key = (_layout_key(mat_a, mat_b, offs, None, out_dtype), activation, gate_up_layout, alpha, limit)
+    plan = _gated_plans.get(key)
+    if plan is None:
+        shape, resolved = _validate_gated(mat_a, mat_b, offs, activation, gate_up_layout, out_dtype)
+        launch = reason = None
+        if gate_up_layout == "interleaved" and math.prod(shape) > 0 and offs.shape[0] > 0:
+            launch, reason = _host_plan("grouped_mm", mat_a, mat_b, "rows", resolved, offs.shape[0],
+                                        (activation, alpha, limit))
+        plan = (shape, resolved, launch)
+        if len(_gated_plans) >= _MAX_PLANS:
+            _gated_plans.clear()
+        _gated_plans[key] = plan
+    return plan
+
+
 def grouped_mm_swiglu_impl(mat_a, mat_b, offs, activation, gate_up_layout, alpha=1.702, limit=7.0, out_dtype=None):
-    """The gate/up projection's grouped GEMM in fp32, then the gated activation (not yet fused
-    into the kernel's epilogue: see bench/NOTES.md, 2026-11-28, "Grouped GEMM for MoE")."""
-    shape, out_dtype = _validate_gated(mat_a, mat_b, offs, activation, gate_up_layout, out_dtype)
+    """Interleaved gate/up columns: one kernel, the activation in its epilogue on the fp32
+    accumulator. Concatenated ones (not fused yet: bench/NOTES.md, 2026-11-28, "Grouped GEMM for
+    MoE"): the grouped GEMM with an fp32 out, then the activation."""
+    shape, out_dtype, launch = _gated_plan(mat_a, mat_b, offs, activation, gate_up_layout, alpha, limit, out_dtype)
+    if launch is not None:
+        check_offs(offs, mat_a.shape[0], "the rows of mat_a")
+        if pointer_reason(mat_a, mat_b, None) is None:
+            out = empty_output(shape, out_dtype, mat_a.device)
+            launch(mat_a, mat_b, offs, out)
+            return out
     pre = grouped_mm_impl(mat_a, mat_b, offs, None, _acc_dtype(mat_a.dtype))
     return reference.swiglu(pre, gate_up_layout, activation, alpha, limit).to(out_dtype)
 

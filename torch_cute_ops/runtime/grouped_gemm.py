@@ -30,10 +30,15 @@ def grouped_config(form: str, n: int) -> GemmConfig:
 
 
 def grouped_spec(arch: str, ab: torch.dtype, out: torch.dtype, a_k_major: bool, b_k_major: bool, mode: str,
-                 config: GemmConfig) -> KernelSpec:
+                 config: GemmConfig, gated: tuple | None = None) -> KernelSpec:
+    """``gated``: (activation, alpha, limit) of a fused gate/up epilogue (interleaved columns)."""
     base = gemm_spec("gemm_sm90", arch, DTYPE_NAMES[ab], DTYPE_NAMES[out], a_k_major, b_k_major, False, None,
                      config, 2)
-    return KernelSpec.make(base.family, base.arch, **dict(base.params), grouped=mode)
+    extra = {}
+    if gated is not None:
+        activation, alpha, limit = gated
+        extra = {"gated": activation, "gate_alpha": float(alpha), "gate_limit": float(limit)}
+    return KernelSpec.make(base.family, base.arch, **dict(base.params), grouped=mode, **extra)
 
 
 def rows_table(offs: torch.Tensor, rows: int, tile_m: int) -> torch.Tensor:
@@ -101,9 +106,11 @@ class GroupedGemmHost:
         self.arch, self.kernel_name = arch, kernel_name
 
     def plan(self, form: str, a_shape, a_stride, b_shape, b_stride, dtype, out_dtype, groups: int,
-             device_index: int, config: GemmConfig | None = None) -> GroupedGemmLaunch | str:
+             device_index: int, config: GemmConfig | None = None, gated: tuple | None = None
+             ) -> GroupedGemmLaunch | str:
         """``form``: "rows" (a (M, K), b (G, K, N)), "masked" (the same shapes, a's G groups of
-        M / G rows) or "k" (a (M, K), b (K, N), out (G, M, N))."""
+        M / G rows) or "k" (a (M, K), b (K, N), out (G, M, N)). ``gated``: rows with a fused
+        (activation, alpha, limit) over interleaved gate/up columns, out (M, N / 2)."""
         mode = "k" if form == "k" else "rows"
         a3 = ((1, *a_shape), (0, *a_stride))
         b3 = (tuple(b_shape), tuple(b_stride)) if len(b_shape) == 3 else ((1, *b_shape), (0, *b_stride))
@@ -111,7 +118,7 @@ class GroupedGemmHost:
         if reason:
             return reason
         m, n = a_shape[0], b_shape[-1]
-        out_shape = (m, n) if mode == "rows" else (groups, m, n)
+        out_shape = (m, n // 2 if gated else n) if mode == "rows" else (groups, m, n)
         if mode == "k" and groups > 1 and (m * n * out_dtype.itemsize) % TMA_ALIGN_BYTES:
             return f"out: groups of {m} x {n} {out_dtype} elements are not a multiple of 16 bytes (TMA store)"
         if groups + 2 >= 2**31 // 2 or m + (groups + 1) * 128 >= 2**31:
@@ -119,9 +126,9 @@ class GroupedGemmHost:
         config = config or grouped_config(form, n)
         a_strides, a_k_major = operand_strides(*a3, dtype.itemsize)
         b_strides, b_n_major = operand_strides(*b3, dtype.itemsize)
-        spec = grouped_spec(self.arch, dtype, out_dtype, a_k_major, not b_n_major, mode, config)
+        spec = grouped_spec(self.arch, dtype, out_dtype, a_k_major, not b_n_major, mode, config, gated)
         b_rank = len(b_shape)
-        o3 = out_strides((1, m, n) if mode == "rows" else out_shape, out_dtype.itemsize)
+        o3 = out_strides((1, *out_shape) if mode == "rows" else out_shape, out_dtype.itemsize)
         contiguous_out = tuple(torch.empty(out_shape, device="meta").stride())
         views = (_view(a_shape, a_stride, a_shape, a_strides[1:]),
                  _view(b_shape, b_stride, b_shape, b_strides[3 - b_rank:]),
@@ -133,12 +140,14 @@ class GroupedGemmHost:
 
     def shipped(self) -> list[KernelSpec]:
         """bf16: the forward and dA (rows, a K-major, b either way: x @ W and x @ W.T), the weight
-        gradient (K grouped, a^T of a row-major x: M-major a, N-major dY)."""
+        gradient (K grouped, a^T of a row-major x: M-major a, N-major dY), gpt-oss's fused gate/up
+        projection (swiglu_oai at its alpha and limit, nn.Linear's weight)."""
         config = grouped_config("rows", 4096)
+        bf16 = torch.bfloat16
         return [
-            *(grouped_spec(self.arch, torch.bfloat16, torch.bfloat16, True, b_k_major, "rows", config)
-              for b_k_major in (False, True)),
-            grouped_spec(self.arch, torch.bfloat16, torch.bfloat16, False, False, "k", config),
+            *(grouped_spec(self.arch, bf16, bf16, True, b_k_major, "rows", config) for b_k_major in (False, True)),
+            grouped_spec(self.arch, bf16, bf16, False, False, "k", config),
+            grouped_spec(self.arch, bf16, bf16, True, True, "rows", config, ("swiglu_oai", 1.702, 7.0)),
         ]
 
 

@@ -59,7 +59,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ...runtime.gemm_config import GemmConfig
 from ...runtime.spec import KernelSpec
 from ...runtime.tma import TMA_ALIGN_BYTES
-from ..common.activation import apply_activation
+from ..common.activation import GATED_ACTIVATIONS, apply_activation
 from ..common.gemm_operands import (fake_block_scales, fake_operand, fake_scales, scales_to_kernel_order,
                                     swapped_scales, to_kernel_order, to_swapped_kernel_order)
 from ..common.tile_scheduler import PersistentTileScheduler, StreamKTileScheduler, stream_k_fixup
@@ -96,7 +96,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
 
     def __init__(self, ab_dtype, out_dtype, a_k_major: bool, b_k_major: bool, has_bias: bool,
                  activation, config: GemmConfig, b_dtype=None, bias_dtype=None, scale_mode=None,
-                 odd_n: bool = False, grouped: str | None = None):
+                 odd_n: bool = False, grouped: str | None = None, gated: tuple | None = None):
         narrow_n = (16, 32) if config.swap_ab else ()  # a decode step's few rows as the MMA's N
         # 96 columns: N = 12288 in 128 tiles, about one wave on 132 SMs (runtime.gemm_config); 160:
         # N = 4096 in 26 columns of tiles, one wave of 130 at M = 640
@@ -125,7 +125,12 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             # each tile's k-tile count is its group's (no ping-pong ring skip, no stream-K split), and
             # the two CTAs of a cluster may lie in different groups (no shared B)
             raise ValueError(f"grouped GEMMs run cooperative 1 x 1 tiles without epilogue extras, got {config}")
+        if gated is not None and (grouped != "rows" or gated[0] not in GATED_ACTIVATIONS):
+            raise ValueError(f"gated epilogues ({GATED_ACTIVATIONS}) run on rows-grouped variants, got {gated}")
         self.grouped = grouped  # None, "rows" (M grouped) or "k" (K grouped), see grouped_gemm.py
+        # (activation, alpha, limit) of a gate/up projection with interleaved columns: C has half of
+        # B's columns (gemm_grouped.py)
+        self.gated = gated
         self.ab_dtype = ab_dtype  # A's dtype (B's too unless b_dtype says otherwise)
         self.b_dtype = b_dtype or ab_dtype
         self.bias_dtype = bias_dtype or ab_dtype
@@ -166,7 +171,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         # fp32 results go straight from registers to global memory; 16-bit ones through
         # a ring of swizzled smem subtiles (stmatrix) and TMA stores, except for swapped
         # operands, whose out^T is M-major and a few columns wide
-        self.direct_store = out_dtype.width == 32 or self.swap_ab
+        self.direct_store = out_dtype.width == 32 or self.swap_ab or gated is not None
         self.epi_tile = (64 * self.tile_wgs, 32)
         # ping-pong keeps a ring per warpgroup: three subtiles each leave room for a fifth A/B
         # stage at 128 x 192 (QuACK's default tile and depth)
@@ -302,11 +307,13 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         groups' row tiles) tiles of rows, or without it (the host's grid) the bound of
         :func:`grouped_gemm.row_tiles_bound`."""
         shape = mC.shape
+        if cutlass.const_expr(self.gated is not None):  # tiles of B's columns, two per output column
+            shape = (mC.shape[0], mC.shape[1] * 2, mC.shape[2])
         if cutlass.const_expr(self.grouped == "rows"):
             tile_m = self.tile_shape_mnk[0]
             if cutlass.const_expr(row_tiles is None):
                 row_tiles = row_tiles_bound(mC.shape[0], mGroups.shape[1], tile_m)
-            shape = (row_tiles * tile_m, mC.shape[1], 1)
+            shape = (row_tiles * tile_m, shape[1], 1)
         args = (shape, self.tile_shape_mnk[:2], self.cluster_shape_mn, self.config.group_size,
                 self.config.band_along_m)
         if cutlass.const_expr(self.stream_k):
@@ -557,7 +564,8 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             row_start = self._tile_start(tile_m_idx, mC_mnl.shape[0], tile_m, True)
             col_start = self._tile_start(tile_n_idx, mC_mnl.shape[1], tile_n, False)
             if cutlass.const_expr(self.grouped is not None):
-                tile = group_tile(self, mGroups, tile_m_idx, tile_n_idx, batch_idx, mC_mnl.shape[0], mC_mnl.shape[1],
+                tile = group_tile(self, mGroups, tile_m_idx, tile_n_idx, batch_idx, mC_mnl.shape[0],
+                                  mC_mnl.shape[1] * (2 if self.gated is not None else 1),
                                   num_groups(self, mGroups, mC_mnl), num_k_tiles)
                 row_start, col_start, k_count, batch_idx = tile.row_start, tile.col_start, tile.k_count, tile.c_batch
             column_values = self._column_values(tCcC, mBias, mScaleB, col_start, mC_mnl.shape, batch_idx)
@@ -613,6 +621,8 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
                                                         row_start, col_start, batch_idx, subtiles_done, group)
                     else:
                         self._store_direct(acc, tCcC, mC_gmem, row_start, col_start, batch_idx, tile.row_end)
+                elif cutlass.const_expr(self.gated is not None):
+                    self._store_gated(acc, tCcC, mC_mnl, row_start, col_start, tile.row_end)
                 elif cutlass.const_expr(self.direct_store):
                     self._store_direct(acc, tCcC, mC_mnl, row_start, col_start, batch_idx,
                                        tile.row_end if self.grouped is not None else None)
@@ -683,7 +693,8 @@ def build(spec: KernelSpec):
     bias_dtype = _DSL_TYPES[spec.get("bias_dtype", spec["ab"])]
     gemm = Sm90Gemm(ab_dtype, out_dtype, spec["a_major"] == "k", spec["b_major"] == "k", spec["bias"],
                     activation, GemmConfig.from_spec_params(spec), b_dtype, bias_dtype, scale_mode,
-                    spec.get("odd_n", False), spec.get("grouped"))
+                    spec.get("odd_n", False), spec.get("grouped"),
+                    (spec["gated"], spec["gate_alpha"], spec["gate_limit"]) if spec.get("gated") else None)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if gemm.grouped is not None:
         # rows: a (M, K), b (G, K, N), out (M, N); K grouped: a (M, K), b (K, N), out (G, M, N)
