@@ -296,7 +296,8 @@ def test_gated_launch_plan(monkeypatch):
     x, w = torch.randn(1000, 512, dtype=torch.bfloat16), torch.randn(8, 1024, 512, dtype=torch.bfloat16)
     b = w.transpose(-2, -1)
     launch = host.SM90.plan("rows", tuple(x.shape), x.stride(), tuple(b.shape), b.stride(), x.dtype, x.dtype, 8, 0,
-                            gated=("swiglu_oai", 1.702, 7.0))
-    assert (launch.spec["gated"], launch.spec["gate_alpha"], launch.spec["gate_limit"]) == ("swiglu_oai", 1.702, 7.0)
+                            gated=("swiglu_oai", 1.702, 7.0, "interleaved"))
+    assert (launch.spec["gated"], launch.spec["gate_alpha"], launch.spec["gate_limit"], launch.spec["gate_up"]) == (
+        "swiglu_oai", 1.702, 7.0, "interleaved")
     assert launch.grid == (8 + 9) * 4 and launch.out_view is None
     assert launch.spec in host.SM90.shipped()

@@ -212,3 +212,16 @@ def test_gated_forward_and_backward(activation, layout):
     check(out, ref.detach(), torch.bfloat16)
     check(x.grad, x64.grad, torch.bfloat16)
     check(w.grad, w64.grad, torch.bfloat16)
+
+
+def test_gated_concat_n_major_b():
+    """Concatenated gate/up columns of an N-major b (not fused: the GEMM, then the activation)."""
+    from torch_cute_ops.reference.grouped_gemm import swiglu
+
+    gen = torch.manual_seed(6)
+    sizes = group_sizes("random", 8, gen)
+    x = torch.randn(sum(sizes), 264, device="cuda", dtype=torch.bfloat16)
+    b = (torch.randn(8, 264, 2 * 136, device="cuda") / 8).to(torch.bfloat16)
+    offs = offsets(sizes)
+    out = tco.grouped_mm(x, b, offs, activation="swiglu")
+    check(out, swiglu(loop64(x, b, offs), "concat", "swiglu"), torch.bfloat16)

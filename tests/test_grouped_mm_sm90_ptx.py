@@ -45,7 +45,7 @@ def test_grouped_ptx(spec, variant_ptx):
         assert not zeroing
 
 
-@pytest.mark.parametrize("spec", GATED, ids=lambda s: s["gated"])
+@pytest.mark.parametrize("spec", GATED, ids=lambda s: f"{s['gated']}_{s['gate_up']}")
 def test_gated_ptx(spec, variant_ptx):
     """Interleaved gate/up columns: one output per column pair of each thread (64 x 256 / 128 / 2
     values), each through exp2 and a reciprocal, stored from registers; no smem ring."""
@@ -55,6 +55,9 @@ def test_gated_ptx(spec, variant_ptx):
     pairs = 64 * 256 // 128 // 2
     assert ptx.count("st.global.b16") == pairs
     assert ptx.count("ex2.approx") == pairs and ptx.count("rcp.approx") == pairs
+    # concatenated columns: B's TMA walks (k, gate or up, column, group), one box per stage
+    b_box = "cp.async.bulk.tensor.4d" if spec["gate_up"] == "concat" else "cp.async.bulk.tensor.3d"
+    assert ptx.count(b_box) == 1 and ptx.count("cp.async.bulk.tensor.2d") == 1
 
 
 def test_grouped_variants_are_cooperative_and_plain():
@@ -71,4 +74,4 @@ def test_grouped_variants_are_cooperative_and_plain():
     with pytest.raises(ValueError, match="grouped must be one of"):
         Sm90Gemm(bf16, bf16, True, False, False, None, GemmConfig(128, 256), grouped="cols")
     with pytest.raises(ValueError, match="gated epilogues"):
-        Sm90Gemm(bf16, bf16, True, False, False, None, GemmConfig(128, 256), grouped="k", gated=("swiglu", 1.0, 7.0))
+        Sm90Gemm(bf16, bf16, True, False, False, None, GemmConfig(128, 256), grouped="k", gated=("swiglu", 1.0, 7.0, "concat"))

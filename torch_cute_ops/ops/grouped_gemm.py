@@ -288,9 +288,13 @@ def _gated_plan(mat_a, mat_b, offs, activation, gate_up_layout, alpha, limit, ou
     if plan is None:
         shape, resolved = _validate_gated(mat_a, mat_b, offs, activation, gate_up_layout, out_dtype)
         launch = reason = None
-        if gate_up_layout == "interleaved" and math.prod(shape) > 0 and offs.shape[0] > 0:
+        # concatenated columns fuse where b is K-major (nn.Linear's (G, 2H, K) weight transposed):
+        # the TMA then loads a tile's gate and up columns side by side (kernels/sm90/gemm_grouped.py)
+        k_major_b = mat_b.stride(-2) == 1 or mat_b.shape[-2] == 1
+        fusable = gate_up_layout == "interleaved" or k_major_b
+        if fusable and math.prod(shape) > 0 and offs.shape[0] > 0:
             launch, reason = _host_plan("grouped_mm", mat_a, mat_b, "rows", resolved, offs.shape[0],
-                                        (activation, alpha, limit))
+                                        (activation, alpha, limit, gate_up_layout))
         plan = (shape, resolved, launch)
         if len(_gated_plans) >= _MAX_PLANS:
             _gated_plans.clear()
@@ -299,9 +303,9 @@ def _gated_plan(mat_a, mat_b, offs, activation, gate_up_layout, alpha, limit, ou
 
 
 def grouped_mm_swiglu_impl(mat_a, mat_b, offs, activation, gate_up_layout, alpha=1.702, limit=7.0, out_dtype=None):
-    """Interleaved gate/up columns: one kernel, the activation in its epilogue on the fp32
-    accumulator. Concatenated ones (not fused yet: bench/NOTES.md, 2026-11-28, "Grouped GEMM for
-    MoE"): the grouped GEMM with an fp32 out, then the activation."""
+    """One kernel, the activation in its epilogue on the fp32 accumulator, for interleaved gate/up
+    columns and for concatenated ones of a K-major b; otherwise (and where no kernel runs) the
+    grouped GEMM with an fp32 out, then the activation."""
     shape, out_dtype, launch = _gated_plan(mat_a, mat_b, offs, activation, gate_up_layout, alpha, limit, out_dtype)
     if launch is not None:
         check_offs(offs, mat_a.shape[0], "the rows of mat_a")

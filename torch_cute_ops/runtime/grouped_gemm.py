@@ -31,13 +31,13 @@ def grouped_config(form: str, n: int) -> GemmConfig:
 
 def grouped_spec(arch: str, ab: torch.dtype, out: torch.dtype, a_k_major: bool, b_k_major: bool, mode: str,
                  config: GemmConfig, gated: tuple | None = None) -> KernelSpec:
-    """``gated``: (activation, alpha, limit) of a fused gate/up epilogue (interleaved columns)."""
+    """``gated``: (activation, alpha, limit, gate/up layout) of a fused gate/up epilogue."""
     base = gemm_spec("gemm_sm90", arch, DTYPE_NAMES[ab], DTYPE_NAMES[out], a_k_major, b_k_major, False, None,
                      config, 2)
     extra = {}
     if gated is not None:
-        activation, alpha, limit = gated
-        extra = {"gated": activation, "gate_alpha": float(alpha), "gate_limit": float(limit)}
+        activation, alpha, limit, layout = gated
+        extra = {"gated": activation, "gate_alpha": float(alpha), "gate_limit": float(limit), "gate_up": layout}
     return KernelSpec.make(base.family, base.arch, **dict(base.params), grouped=mode, **extra)
 
 
@@ -110,7 +110,7 @@ class GroupedGemmHost:
              ) -> GroupedGemmLaunch | str:
         """``form``: "rows" (a (M, K), b (G, K, N)), "masked" (the same shapes, a's G groups of
         M / G rows) or "k" (a (M, K), b (K, N), out (G, M, N)). ``gated``: rows with a fused
-        (activation, alpha, limit) over interleaved gate/up columns, out (M, N / 2)."""
+        (activation, alpha, limit, gate/up layout) epilogue, out (M, N / 2)."""
         mode = "k" if form == "k" else "rows"
         a3 = ((1, *a_shape), (0, *a_stride))
         b3 = (tuple(b_shape), tuple(b_stride)) if len(b_shape) == 3 else ((1, *b_shape), (0, *b_stride))
@@ -140,14 +140,16 @@ class GroupedGemmHost:
 
     def shipped(self) -> list[KernelSpec]:
         """bf16: the forward and dA (rows, a K-major, b either way: x @ W and x @ W.T), the weight
-        gradient (K grouped, a^T of a row-major x: M-major a, N-major dY), gpt-oss's fused gate/up
-        projection (swiglu_oai at its alpha and limit, nn.Linear's weight)."""
+        gradient (K grouped, a^T of a row-major x: M-major a, N-major dY), the fused gate/up
+        projections of gpt-oss (swiglu_oai at its alpha and limit, interleaved) and of Qwen3 /
+        Mixtral (swiglu, concatenated), nn.Linear's weight."""
         config = grouped_config("rows", 4096)
         bf16 = torch.bfloat16
         return [
             *(grouped_spec(self.arch, bf16, bf16, True, b_k_major, "rows", config) for b_k_major in (False, True)),
             grouped_spec(self.arch, bf16, bf16, False, False, "k", config),
-            grouped_spec(self.arch, bf16, bf16, True, True, "rows", config, ("swiglu_oai", 1.702, 7.0)),
+            grouped_spec(self.arch, bf16, bf16, True, True, "rows", config, ("swiglu_oai", 1.702, 7.0, "interleaved")),
+            grouped_spec(self.arch, bf16, bf16, True, True, "rows", config, ("swiglu", 1.702, 7.0, "concat")),
         ]
 
 

@@ -65,8 +65,8 @@ from ..common.gemm_operands import (fake_block_scales, fake_operand, fake_scales
 from ..common.tile_scheduler import PersistentTileScheduler, StreamKTileScheduler, stream_k_fixup
 from .gemm_block_scaled import SCALE_BLOCK, BlockScaledMainloop
 from .gemm_epilogue import GemmEpilogue
-from .gemm_grouped import (GROUPED_MODES, group_tile, grouped_kernel_order, num_groups, row_tiles_bound,
-                           total_row_tiles, zero_k_tail)
+from .gemm_grouped import (GROUPED_MODES, concat_as_interleaved, group_tile, grouped_kernel_order, num_groups,
+                           row_tiles_bound, total_row_tiles, zero_k_tail)
 
 
 # spec dtype string -> DSL type
@@ -125,11 +125,12 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             # each tile's k-tile count is its group's (no ping-pong ring skip, no stream-K split), and
             # the two CTAs of a cluster may lie in different groups (no shared B)
             raise ValueError(f"grouped GEMMs run cooperative 1 x 1 tiles without epilogue extras, got {config}")
-        if gated is not None and (grouped != "rows" or gated[0] not in GATED_ACTIVATIONS):
+        if gated is not None and (grouped != "rows" or gated[0] not in GATED_ACTIVATIONS
+                                  or gated[3] not in ("concat", "interleaved")):
             raise ValueError(f"gated epilogues ({GATED_ACTIVATIONS}) run on rows-grouped variants, got {gated}")
         self.grouped = grouped  # None, "rows" (M grouped) or "k" (K grouped), see grouped_gemm.py
-        # (activation, alpha, limit) of a gate/up projection with interleaved columns: C has half of
-        # B's columns (gemm_grouped.py)
+        # (activation, alpha, limit, gate/up layout) of a gate/up projection: C has half of B's
+        # columns (gemm_grouped.py)
         self.gated = gated
         self.ab_dtype = ab_dtype  # A's dtype (B's too unless b_dtype says otherwise)
         self.b_dtype = b_dtype or ab_dtype
@@ -231,6 +232,8 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         mPartials, mFlags = workspace  # None unless stream-K
         if cutlass.const_expr(self.grouped is not None):
             mA, mB, mC = grouped_kernel_order(mA, mB, mC)
+            if cutlass.const_expr(self.gated is not None and self.gated[3] == "concat"):
+                mB = concat_as_interleaved(mB)
         elif cutlass.const_expr(self.swap_ab):
             mA, mB, mC = to_swapped_kernel_order(mA, mB, mC)
         else:
@@ -414,8 +417,8 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             tile_m_idx, tile_n_idx, batch_idx, k_begin, k_count, _ = self._work_tile(sched, work_idx, num_k_tiles)
             if cutlass.const_expr(self.grouped is not None):
                 # the group's rows (or k range) from its first row (k): nothing before it is loaded
-                tile = group_tile(self, mGroups, tile_m_idx, tile_n_idx, batch_idx, mA_mkl.shape[0], mB_nkl.shape[0],
-                                  mB_nkl.shape[2], num_k_tiles)
+                tile = group_tile(self, mGroups, tile_m_idx, tile_n_idx, batch_idx, mA_mkl.shape[0],
+                                  cute.size(mB_nkl, mode=[0]), mB_nkl.shape[2], num_k_tiles)
                 k_count = tile.k_count
                 tAgA_tile = self._k_tiles_at(tma_atom_a, cluster_coord_mnk[1], a_cta_layout, sA, mA_mkl,
                                              tile.row_start, tile.k_start, 0, self.tile_shape_mnk[0])
@@ -694,7 +697,7 @@ def build(spec: KernelSpec):
     gemm = Sm90Gemm(ab_dtype, out_dtype, spec["a_major"] == "k", spec["b_major"] == "k", spec["bias"],
                     activation, GemmConfig.from_spec_params(spec), b_dtype, bias_dtype, scale_mode,
                     spec.get("odd_n", False), spec.get("grouped"),
-                    (spec["gated"], spec["gate_alpha"], spec["gate_limit"]) if spec.get("gated") else None)
+                    (spec["gated"], spec["gate_alpha"], spec["gate_limit"], spec["gate_up"]) if spec.get("gated") else None)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if gemm.grouped is not None:
         # rows: a (M, K), b (G, K, N), out (M, N); K grouped: a (M, K), b (K, N), out (G, M, N)

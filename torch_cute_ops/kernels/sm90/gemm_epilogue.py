@@ -204,7 +204,7 @@ class GemmEpilogue:
         """A gate/up tile with interleaved columns (gate even, up odd: the two values of each of
         this thread's column pairs) through the gated activation; output column ``c / 2`` of
         each even ``c``, stored predicated on the group's rows and C's columns."""
-        activation, alpha, limit = self.gated
+        activation, alpha, limit, _ = self.gated
         num_cols = mC_mnl.shape[1]
         for i in cutlass.range_constexpr(cute.size(acc)):
             coord = cute.idx2crd(i, acc.shape)

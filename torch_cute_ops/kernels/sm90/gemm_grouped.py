@@ -19,6 +19,15 @@ Two modes, both driven by a small int32 *group table* the host computes on the d
   group's k range; a tile walks ``ceil(k_g / tile_k)`` k-tiles from the group's first k, and an
   empty group's tiles store zeros.
 
+Gated epilogue (``Sm90Gemm.gated``, rows mode): a Mixture-of-Experts gate/up projection with
+SwiGLU (or gpt-oss's clamped variant) fused. Each thread's accumulator holds pairs of adjacent
+columns, so with gate and up interleaved (gpt-oss's layout: gate at even columns) a pair is one
+output, computed in fp32 and stored from registers (C has half of B's columns). Concatenated
+columns ([gate | up], Qwen3 / Mixtral) reach the same epilogue through a view of B, no copy:
+column ``2 h + p`` of the view is column ``p * N / 2 + h`` of B (:func:`concat_as_interleaved`),
+so the TMA loads each tile's gate and up columns side by side (a 4-D box); fused for a K-major B
+(nn.Linear's weight transposed), whose rows the box can interleave.
+
 Group bounds, and why no per-group TMA descriptor. A tile's loads start at its group's first row
 (k): TMA coordinates are element-granular, so the global descriptors serve every group through
 a coordinate offset. A "rows" tile moves back to end at its group's end where the group holds a
@@ -88,6 +97,18 @@ def grouped_kernel_order(mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor):
     else:
         kernel_c = cute.make_tensor(mC.iterator, cute.select(mC.layout, mode=[1, 2, 0]))
     return kernel_a, kernel_b, kernel_c
+
+
+def concat_as_interleaved(mB: cute.Tensor) -> cute.Tensor:
+    """B (N, K, G) whose N columns are [gate | up] seen with gate and up interleaved: column
+    ``2 h + p`` is column ``p * N / 2 + h``, a hierarchical mode ((2, N / 2) : (N / 2 * s, s)),
+    so that the TMA loads each tile's gate and up columns side by side (a box of (2, tile_n /
+    2) there) and the interleaved epilogue serves both layouts. A layout only."""
+    half = mB.shape[0] // 2
+    stride_n = mB.layout.stride[0]
+    columns = cute.make_layout((2, half), stride=(half * stride_n, stride_n))
+    return cute.make_tensor(mB.iterator, cute.make_layout((columns.shape, mB.shape[1], mB.shape[2]),
+                                                          stride=(columns.stride, *mB.layout.stride[1:])))
 
 
 @cute.jit
