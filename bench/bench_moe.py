@@ -6,7 +6,9 @@ one dense cuBLAS ``torch.mm`` of the same total rows, and QuACK's varlen-M GEMM 
 Shapes (bf16): DeepSeek-V3's routed experts (hidden 7168, expert width 2048, 256 experts, top-8)
 and Qwen3-30B-A3B's (hidden 2048, width 768, 128 experts, top-8) at 4096 and 16384 tokens: the
 gate/up projection (x @ W_gu^T, N = 2 x width, K = hidden) and the down projection (N = hidden,
-K = width), forward, and the backward's dA (dY @ W, rows grouped) and dB (x^T @ dY, K grouped).
+K = width), forward, and the backward's dA (dY @ W, rows grouped) and dB (x^T @ dY, K grouped);
+the gate/up projection also with SwiGLU fused (``activation="swiglu"``) against
+torch._grouped_mm followed by silu(gate) * up.
 Routing: a fixed random router with realistic imbalance: expert popularity drawn from
 Dirichlet(0.3) (seed 0), each token picking top-8 distinct experts weighted by it.
 
@@ -56,8 +58,16 @@ def quack_varlen():
     return run
 
 
-def providers(x, w, offs, dy, quack):
-    """name -> call, per measured GEMM of one projection (w: (G, N, K) as nn.Linear keeps it)."""
+def torch_swiglu(x, w_t, offs):
+    """The unfused gate/up projection: torch._grouped_mm, then silu(gate) * up."""
+    pre = torch._grouped_mm(x, w_t, offs=offs)
+    gate, up = pre.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def providers(x, w, offs, dy, quack, gated: bool):
+    """name -> call, per measured GEMM of one projection (w: (G, N, K) as nn.Linear keeps it);
+    ``gated``: the gate/up projection, also timed with SwiGLU ([gate | up] columns)."""
     w_t = w.transpose(-2, -1)
     rows = x.shape[0]
     dense_b = w[0].t()  # one expert's (K, N): the same FLOPs as one dense GEMM of all rows
@@ -70,6 +80,9 @@ def providers(x, w, offs, dy, quack):
         "dB cute": lambda: tco.grouped_mm(x.t(), dy, offs),
         "dB torch": lambda: torch._grouped_mm(x.t(), dy, offs=offs),
     }
+    if gated:
+        calls["swiglu cute"] = lambda: tco.grouped_mm(x, w_t, offs, activation="swiglu")
+        calls["swiglu torch"] = lambda: torch_swiglu(x, w_t, offs)
     if quack is not None:
         try:
             quack(x, w_t, offs)
@@ -85,7 +98,7 @@ def bench_projection(name, rows_offs, n, k, experts, rounds, quack):
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     dy = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-    times = time_interleaved(providers(x, w, offs, dy, quack), rounds)
+    times = time_interleaved(providers(x, w, offs, dy, quack, name.endswith("gate_up")), rounds)
     flops = 2 * rows * n * k
     result = {"shape": name, "rows": rows, "n": n, "k": k, "ms": times,
               "tflops": {key: flops / ms / 1e9 for key, ms in times.items()}}
@@ -93,6 +106,8 @@ def bench_projection(name, rows_offs, n, k, experts, rounds, quack):
     line = f"{name:<34} rows {rows:>6}  " + "  ".join(f"{key} {value:6.0f}" for key, value in t.items())
     ratios = [f"fwd x{t['fwd cute'] / t['fwd torch']:.2f} torch, {t['fwd cute'] / t['fwd dense']:.0%} dense",
               f"dA x{t['dA cute'] / t['dA torch']:.2f}", f"dB x{t['dB cute'] / t['dB torch']:.2f}"]
+    if "swiglu cute" in t:
+        ratios.append(f"swiglu x{t['swiglu cute'] / t['swiglu torch']:.2f} (torch + silu * up)")
     if "fwd quack" in t:
         ratios.append(f"fwd x{t['fwd cute'] / t['fwd quack']:.2f} quack")
     print(line + "\n" + " " * 36 + "; ".join(ratios), flush=True)
