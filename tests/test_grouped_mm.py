@@ -13,27 +13,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_cute_ops as tco
+from grouped_checks import loop64
 from torch_cute_ops.runtime import grouped_gemm as host
-
-
-def loop64(a, b, offs):
-    """The four forms, one float64 matmul per group; rows/columns past offs[-1] zero."""
-    a, b = a.double(), b.double()
-    if offs is None:
-        return a @ b
-    ends = offs.tolist()
-    starts = [0, *ends[:-1]]
-    if a.dim() == 2 and b.dim() == 3:
-        out = a.new_zeros(a.shape[0], b.shape[2])
-        for g, (s, e) in enumerate(zip(starts, ends)):
-            out[s:e] = a[s:e] @ b[g]
-    elif a.dim() == 2:
-        out = torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends)])
-    else:
-        out = a.new_zeros(a.shape[1], b.shape[1])
-        for g, (s, e) in enumerate(zip(starts, ends)):
-            out[:, s:e] = a[g] @ b[:, s:e]
-    return out
 
 
 def offsets(sizes):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torch_cute_ops as tco
+from grouped_checks import loop64
 from torch_cute_ops.ops import grouped_gemm as grouped_ops
 
 pytestmark = [
@@ -31,24 +32,6 @@ def strict_and_poisoned(monkeypatch):
 
     monkeypatch.setattr(grouped_ops, "empty_output", poisoned)
     monkeypatch.setattr("torch_cute_ops.ops.gemm.empty_output", poisoned)
-
-
-def loop64(a, b, offs):
-    """The float64 loop (rows / K / columns grouped, by the operands' ranks)."""
-    a, b = a.double(), b.double()
-    ends = offs.tolist()
-    starts = [0, *ends[:-1]]
-    if a.dim() == 2 and b.dim() == 3:
-        out = a.new_zeros(a.shape[0], b.shape[2])
-        for g, (s, e) in enumerate(zip(starts, ends)):
-            out[s:e] = a[s:e] @ b[g]
-        return out
-    if a.dim() == 2:
-        return torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends)])
-    out = a.new_zeros(a.shape[1], b.shape[1])
-    for g, (s, e) in enumerate(zip(starts, ends)):
-        out[:, s:e] = a[g] @ b[:, s:e]
-    return out
 
 
 def check(out, ref, dtype):

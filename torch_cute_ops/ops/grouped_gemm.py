@@ -122,7 +122,7 @@ def _plan(a, b, offs, bias, out_dtype) -> GroupedPlan:
         form, shape, out_dtype, extent = _validate(a, b, offs, bias, out_dtype)
         launch = reason = None
         # no groups, or no k to reduce: the output is zeros, which the reference makes at no cost
-        trivial = form in ("rows", "k") and (offs.shape[0] == 0 or extent == 0)
+        trivial = form in ("rows", "k") and (offs.shape[0] == 0 or extent == 0 or a.shape[-1] == 0)
         if form in ("rows", "k") and bias is None and math.prod(shape) > 0 and not trivial:
             launch, reason = _host_plan("grouped_mm", a, b, form, out_dtype, offs.shape[0])
         elif bias is not None and a.is_cuda:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .cache import get_compiled
-from .gemm import DTYPE_NAMES, _view, gemm_spec, layout_reason, operand_strides, out_strides, sm_count
+from .gemm import DTYPE_NAMES, GemmLaunch, _view, gemm_spec, layout_reason, operand_strides, out_strides, sm_count
 from .gemm_config import GemmConfig
 from .spec import KernelSpec
 from .tma import TMA_ALIGN_BYTES
@@ -85,12 +85,7 @@ class GroupedGemmLaunch:
             table = masked_table(offs, a.shape[0] // offs.shape[0], self.tile_m)
         else:
             table = k_table(offs)
-        if self.a_view is not None:
-            a = a.as_strided(*self.a_view)
-        if self.b_view is not None:
-            b = b.as_strided(*self.b_view)
-        if self.out_view is not None:
-            out = out.as_strided(*self.out_view)
+        a, b, out = GemmLaunch.views(self, a, b, out)  # the same free views as the dense launch's
         self.fn(a, b, table, out, self.grid)
 
 
