@@ -17,5 +17,6 @@ TORCH_LIBRARY(cute, m) {
   m.def("scaled_gemm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias=None, ScalarType? out_dtype=None, str? activation=None) -> Tensor");
   m.def("grouped_mm(Tensor mat_a, Tensor mat_b, Tensor? offs=None, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
   m.def("grouped_mm_masked(Tensor a, Tensor b, Tensor counts, ScalarType? out_dtype=None) -> Tensor");
+  m.def("scaled_grouped_mm(Tensor mat_a, Tensor mat_b, Tensor scale_a, Tensor scale_b, Tensor? offs=None, ScalarType? out_dtype=None) -> Tensor");
   m.def("grouped_mm_swiglu(Tensor mat_a, Tensor mat_b, Tensor offs, str activation, str gate_up_layout, float alpha=1.702, float limit=7.0, ScalarType? out_dtype=None) -> Tensor");
 }

@@ -282,3 +282,43 @@ def test_gated_launch_plan(monkeypatch):
         "swiglu_oai", 1.702, 7.0, "interleaved")
     assert launch.grid == (8 + 9) * 4 and launch.out_view is None
     assert launch.spec in host.SM90.shipped()
+
+
+# --------------------------------------------------------------------------------------- FP8
+
+def _fp8_case(sizes, k=32, n=16):
+    torch.manual_seed(0)
+    a = torch.randn(sum(sizes) + 2, k).to(torch.float8_e4m3fn)
+    w = torch.randn(len(sizes), n, k).to(torch.float8_e4m3fn)
+    return a, w.transpose(-2, -1), torch.rand(a.shape[0]) + 0.5, torch.rand(len(sizes), n) + 0.5, offsets(sizes)
+
+
+def test_scaled_grouped_mm_matches_the_dequantized_loop():
+    a, b, scale_a, scale_b, offs = _fp8_case([5, 0, 13, 1])
+    out = tco.scaled_grouped_mm(a, b, scale_a, scale_b, offs)
+    assert out.dtype == torch.bfloat16
+    ref = loop64(a.double() * scale_a.double()[:, None], b.double() * scale_b.double()[:, None, :], offs)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+    assert out[19:].abs().max() == 0
+    # (opcheck's schema test compares FP8 inputs with a multiply the CPU lacks for them)
+    torch.library.opcheck(torch.ops.cute.scaled_grouped_mm.default, (a, b, scale_a, scale_b, offs),
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    with FakeTensorMode() as mode:
+        fake = torch.ops.cute.scaled_grouped_mm(*(mode.from_tensor(t) for t in (a, b, scale_a, scale_b, offs)))
+    assert (fake.shape, fake.dtype) == (out.shape, out.dtype)
+
+
+def test_scaled_grouped_mm_errors_name_the_argument():
+    a, b, scale_a, scale_b, offs = _fp8_case([5, 0, 13, 1])
+    with pytest.raises(ValueError, match="^scale_a: expected shape \\(21,\\)"):
+        tco.scaled_grouped_mm(a, b, scale_a[:-1], scale_b, offs)
+    with pytest.raises(ValueError, match="^scale_b: expected shape \\(4, 16\\)"):
+        tco.scaled_grouped_mm(a, b, scale_a, scale_b.t(), offs)
+    with pytest.raises(ValueError, match="^b: FP8 matmul needs K-major operands"):
+        tco.scaled_grouped_mm(a, b.contiguous(), scale_a, scale_b, offs)
+    with pytest.raises(TypeError, match="^mat_a: expected dtype in \\(float8_e4m3fn\\)"):
+        tco.scaled_grouped_mm(a.float(), b, scale_a, scale_b, offs)
+    with pytest.raises(NotImplementedError, match="^mat_a, mat_b: scaled_grouped_mm takes the 2D x 3D form"):
+        tco.scaled_grouped_mm(a[None], b, scale_a, scale_b)
+    with pytest.raises(ValueError, match="^offs: values must be non-decreasing"):
+        tco.scaled_grouped_mm(a, b, scale_a, scale_b, offs.flip(0))

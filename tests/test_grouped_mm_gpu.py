@@ -208,3 +208,19 @@ def test_gated_concat_n_major_b():
     offs = offsets(sizes)
     out = tco.grouped_mm(x, b, offs, activation="swiglu")
     check(out, swiglu(loop64(x, b, offs), "concat", "swiglu"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("groups,kind", [(8, "edges"), (128, "random")])
+def test_fp8_rowwise(groups, kind):
+    """FP8 e4m3 expert GEMMs with rowwise scales against the dequantized float64 loop."""
+    gen = torch.manual_seed(groups)
+    sizes = group_sizes(kind, groups, gen)
+    a = torch.randn(sum(sizes) + 3, 384, device="cuda").to(torch.float8_e4m3fn)
+    w = (torch.randn(groups, 264, 384, device="cuda") / 4).to(torch.float8_e4m3fn)
+    scale_a = torch.rand(a.shape[0], device="cuda") + 0.5
+    scale_b = torch.rand(groups, 264, device="cuda") / 16
+    offs = offsets(sizes)
+    out = tco.scaled_grouped_mm(a, w.transpose(-2, -1), scale_a, scale_b, offs)
+    ref = loop64(a.double() * scale_a.double()[:, None], w.transpose(-2, -1).double() * scale_b.double()[:, None, :],
+                 offs)
+    check(out, ref, torch.bfloat16)

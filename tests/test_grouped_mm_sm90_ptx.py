@@ -18,7 +18,7 @@ PLAIN = [s for s in SHIPPED if not s.get("gated")]
 GATED = [s for s in SHIPPED if s.get("gated")]
 
 
-@pytest.mark.parametrize("spec", PLAIN, ids=lambda s: f"{s['grouped']}_{s['a_major']}{s['b_major']}")
+@pytest.mark.parametrize("spec", PLAIN, ids=lambda s: f"{s['grouped']}_{s['ab']}_{s['a_major']}{s['b_major']}")
 def test_grouped_ptx(spec, variant_ptx):
     ptx = variant_ptx(spec).read_text()
     assert re.search(r"^\.target\s+sm_90a", ptx, re.M)
@@ -34,6 +34,8 @@ def test_grouped_ptx(spec, variant_ptx):
     # a group smaller than a tile: its rows stored from registers (each thread's 64 x 256 / 128
     # values of its warpgroup's half), each behind a row and column bound
     assert ptx.count("st.global.b16") == 64 * 256 // 128
+    if spec.get("scale"):  # FP8 operands, rowwise scales read in the epilogue
+        assert "e4m3" in ptx
     zeroing = re.findall(r"st\.shared\.b16", ptx)
     if spec["grouped"] == "k":
         # the last k-tile's columns past the group zeroed (A 128 x 64 and B 256 x 64 over 256

@@ -13,6 +13,7 @@ from .ops import gemm as _gemm
 from .ops import grouped_gemm as _grouped_gemm
 from .ops import checks
 from .ops import scaled_gemm as _scaled_gemm
+from .ops import scaled_grouped_gemm as _scaled_grouped_gemm
 from .ops import bounds
 from .ops import sinks as _sinks
 from .ops.direct import dispatcher_free
@@ -86,6 +87,17 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | No
     if dispatcher_free(mat_a, mat_b, offs, bias):
         return _grouped_gemm.grouped_mm_impl(mat_a, mat_b, offs, bias, out_dtype)
     return torch.ops.cute.grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
+
+
+def scaled_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                      offs: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """FP8 e4m3 expert GEMMs with rowwise scales, ``torch._scaled_grouped_mm``'s 2D x 3D form: mat_a
+    (M, K) row-major with scale_a (M,), mat_b (G, K, N) K-major (``w.transpose(-2, -1)``) with
+    scale_b (G, N), rows grouped by ``offs`` as in :func:`grouped_mm`; bf16 out by default. Not
+    differentiable."""
+    if dispatcher_free(mat_a, mat_b, scale_a, scale_b, offs):
+        return _scaled_grouped_gemm.scaled_grouped_mm_impl(mat_a, mat_b, scale_a, scale_b, offs, out_dtype)
+    return torch.ops.cute.scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype)
 
 
 def grouped_mm_masked(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,

@@ -97,7 +97,7 @@ _MAX_PLANS = 4096
 _plans: dict[tuple, GroupedPlan] = {}
 
 
-def _host_plan(op: str, a, b, form, out_dtype, groups: int, gated=None):
+def _host_plan(op: str, a, b, form, out_dtype, groups: int, gated=None, scale_mode=None):
     """(launch, reason) of the grouped kernel for this layout."""
     if not a.is_cuda:
         return None, None
@@ -105,7 +105,7 @@ def _host_plan(op: str, a, b, form, out_dtype, groups: int, gated=None):
     if isinstance(host, str):
         return None, host
     launch = host.plan(form, tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype, out_dtype, groups,
-                       dispatch.device_index(a.device), gated=gated)
+                       dispatch.device_index(a.device), gated=gated, scale_mode=scale_mode)
     return (None, launch) if isinstance(launch, str) else (launch, None)
 
 

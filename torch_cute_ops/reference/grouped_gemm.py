@@ -83,3 +83,12 @@ def split_gate_up(pre: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.T
         return pre[..., 0::2], pre[..., 1::2]
     half = pre.shape[-1] // 2
     return pre[..., :half], pre[..., half:]
+
+
+def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                      offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 2D x 3D with rowwise scales (``torch._scaled_grouped_mm``'s): a (M, K) with scale_a (M,)
+    per row, b (G, K, N) with scale_b (G, N) per group and column; dequantized in fp32."""
+    a32 = a.to(torch.float32) * scale_a.to(torch.float32)[:, None]
+    b32 = b.to(torch.float32) * scale_b.to(torch.float32)[:, None, :]
+    return grouped_mm(a32, b32, offs, None, out_dtype, torch.float32)

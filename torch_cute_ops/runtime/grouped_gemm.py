@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from .cache import get_compiled
-from .gemm import DTYPE_NAMES, GemmLaunch, _view, gemm_spec, layout_reason, operand_strides, out_strides, sm_count
+from .gemm import SM90 as DENSE_SM90
+from .gemm import DTYPE_NAMES, GemmLaunch, _view, gemm_spec, scaled_spec, layout_reason, operand_strides, out_strides, sm_count
 from .gemm_config import GemmConfig
 from .spec import KernelSpec
 from .tma import TMA_ALIGN_BYTES
@@ -30,10 +31,14 @@ def grouped_config(form: str, n: int) -> GemmConfig:
 
 
 def grouped_spec(arch: str, ab: torch.dtype, out: torch.dtype, a_k_major: bool, b_k_major: bool, mode: str,
-                 config: GemmConfig, gated: tuple | None = None) -> KernelSpec:
-    """``gated``: (activation, alpha, limit, gate/up layout) of a fused gate/up epilogue."""
-    base = gemm_spec("gemm_sm90", arch, DTYPE_NAMES[ab], DTYPE_NAMES[out], a_k_major, b_k_major, False, None,
-                     config, 2)
+                 config: GemmConfig, gated: tuple | None = None, scale_mode: str | None = None) -> KernelSpec:
+    """``gated``: (activation, alpha, limit, gate/up layout) of a fused gate/up epilogue;
+    ``scale_mode`` "row": FP8 operands (K-major) with rowwise scales."""
+    if scale_mode is None:
+        base = gemm_spec("gemm_sm90", arch, DTYPE_NAMES[ab], DTYPE_NAMES[out], a_k_major, b_k_major, False, None,
+                         config, 2)
+    else:
+        base = scaled_spec(DENSE_SM90, ab, ab, out, None, scale_mode, None, config, 2)
     extra = {}
     if gated is not None:
         activation, alpha, limit, layout = gated
@@ -77,8 +82,9 @@ class GroupedGemmLaunch:
         self.fn, self.grid, self.mode, self.tile_m, self.spec = fn, grid, mode, tile_m, spec
         self.a_view, self.b_view, self.out_view = views
 
-    def __call__(self, a, b, offs, out) -> None:
-        """``offs``: cumulative group ends (rows, K modes), or a masked layout's counts."""
+    def __call__(self, a, b, offs, out, scales=()) -> None:
+        """``offs``: cumulative group ends (rows, K modes), or a masked layout's counts; ``scales``
+        an FP8 variant's (scale_a (M, 1), scale_b (G, 1, N))."""
         if self.mode == "rows":
             table = rows_table(offs, a.shape[0], self.tile_m)
         elif self.mode == "masked":
@@ -86,7 +92,7 @@ class GroupedGemmLaunch:
         else:
             table = k_table(offs)
         a, b, out = GemmLaunch.views(self, a, b, out)  # the same free views as the dense launch's
-        self.fn(a, b, table, out, self.grid)
+        self.fn(a, b, *scales, table, out, self.grid)
 
 
 def _units_bound(mode: str, m: int, n: int, groups: int, config: GemmConfig) -> int:
@@ -101,15 +107,18 @@ class GroupedGemmHost:
         self.arch, self.kernel_name = arch, kernel_name
 
     def plan(self, form: str, a_shape, a_stride, b_shape, b_stride, dtype, out_dtype, groups: int,
-             device_index: int, config: GemmConfig | None = None, gated: tuple | None = None
-             ) -> GroupedGemmLaunch | str:
+             device_index: int, config: GemmConfig | None = None, gated: tuple | None = None,
+             scale_mode: str | None = None) -> GroupedGemmLaunch | str:
         """``form``: "rows" (a (M, K), b (G, K, N)), "masked" (the same shapes, a's G groups of
         M / G rows) or "k" (a (M, K), b (K, N), out (G, M, N)). ``gated``: rows with a fused
-        (activation, alpha, limit, gate/up layout) epilogue, out (M, N / 2)."""
+        (activation, alpha, limit, gate/up layout) epilogue, out (M, N / 2). ``scale_mode`` "row":
+        FP8 operands with rowwise scales (rows mode)."""
+        if scale_mode not in (None, "row") or (scale_mode and (form == "k" or gated)):
+            return f"{self.kernel_name}: no FP8 variant with {scale_mode} scales in this form"
         mode = "k" if form == "k" else "rows"
         a3 = ((1, *a_shape), (0, *a_stride))
         b3 = (tuple(b_shape), tuple(b_stride)) if len(b_shape) == 3 else ((1, *b_shape), (0, *b_stride))
-        reason = layout_reason(self.kernel_name, dtype, *a3, *b3, None, None, out_dtype)
+        reason = layout_reason(self.kernel_name, dtype, *a3, *b3, None, None, out_dtype, scale_mode)
         if reason:
             return reason
         m, n = a_shape[0], b_shape[-1]
@@ -121,7 +130,7 @@ class GroupedGemmHost:
         config = config or grouped_config(form, n)
         a_strides, a_k_major = operand_strides(*a3, dtype.itemsize)
         b_strides, b_n_major = operand_strides(*b3, dtype.itemsize)
-        spec = grouped_spec(self.arch, dtype, out_dtype, a_k_major, not b_n_major, mode, config, gated)
+        spec = grouped_spec(self.arch, dtype, out_dtype, a_k_major, not b_n_major, mode, config, gated, scale_mode)
         b_rank = len(b_shape)
         o3 = out_strides((1, *out_shape) if mode == "rows" else out_shape, out_dtype.itemsize)
         contiguous_out = tuple(torch.empty(out_shape, device="meta").stride())
@@ -137,7 +146,7 @@ class GroupedGemmHost:
         """bf16: the forward and dA (rows, a K-major, b either way: x @ W and x @ W.T), the weight
         gradient (K grouped, a^T of a row-major x: M-major a, N-major dY), the fused gate/up
         projections of gpt-oss (swiglu_oai at its alpha and limit, interleaved) and of Qwen3 /
-        Mixtral (swiglu, concatenated), nn.Linear's weight."""
+        Mixtral (swiglu, concatenated), nn.Linear's weight; FP8 e4m3 -> bf16 with rowwise scales."""
         config = grouped_config("rows", 4096)
         bf16 = torch.bfloat16
         return [
@@ -145,6 +154,7 @@ class GroupedGemmHost:
             grouped_spec(self.arch, bf16, bf16, False, False, "k", config),
             grouped_spec(self.arch, bf16, bf16, True, True, "rows", config, ("swiglu_oai", 1.702, 7.0, "interleaved")),
             grouped_spec(self.arch, bf16, bf16, True, True, "rows", config, ("swiglu", 1.702, 7.0, "concat")),
+            grouped_spec(self.arch, torch.float8_e4m3fn, bf16, True, True, "rows", config, scale_mode="row"),
         ]
 
 

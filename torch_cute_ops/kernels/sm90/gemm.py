@@ -121,10 +121,12 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         if grouped not in GROUPED_MODES:
             raise ValueError(f"grouped must be one of {GROUPED_MODES}, got {grouped!r}")
         if grouped and (config.pingpong or config.stream_k or config.swap_ab or config.cluster_mn != (1, 1)
-                        or scale_mode or has_bias or activation or config.tile_m == 256):
+                        or scale_mode not in (None, "row") or (scale_mode and grouped != "rows") or has_bias
+                        or activation or config.tile_m == 256):
             # each tile's k-tile count is its group's (no ping-pong ring skip, no stream-K split), and
             # the two CTAs of a cluster may lie in different groups (no shared B)
-            raise ValueError(f"grouped GEMMs run cooperative 1 x 1 tiles without epilogue extras, got {config}")
+            raise ValueError(f"grouped GEMMs run cooperative 1 x 1 tiles without epilogue extras but rowwise "
+                             f"scales (rows mode), got {config}, scales {scale_mode}")
         if gated is not None and (grouped != "rows" or gated[0] not in GATED_ACTIVATIONS
                                   or gated[3] not in ("concat", "interleaved")):
             raise ValueError(f"gated epilogues ({GATED_ACTIVATIONS}) run on rows-grouped variants, got {gated}")
@@ -223,6 +225,12 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
                     max_clusters: Int32, stream):
         """A grouped GEMM (``self.grouped``; the group table ``mGroups`` in grouped_gemm.py)."""
         self._launch(mA, mB, mC, mC, Float32(1.0), max_clusters, stream, mGroups=mGroups)
+
+    @cute.jit
+    def run_grouped_scaled(self, mA: cute.Tensor, mB: cute.Tensor, mScaleA: cute.Tensor, mScaleB: cute.Tensor,
+                           mGroups: cute.Tensor, mC: cute.Tensor, max_clusters: Int32, stream):
+        """A rows-grouped FP8 GEMM with rowwise scales: scale_a (M, 1), scale_b (G, 1, N)."""
+        self._launch(mA, mB, mC, mC, Float32(1.0), max_clusters, stream, mScaleA, mScaleB, mGroups=mGroups)
 
     def _launch(self, mA, mB, mBias, mC, alpha, max_clusters, stream, mScaleA=None, mScaleB=None,
                 workspace=(None, None), mGroups=None):
@@ -571,7 +579,9 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
                                   mC_mnl.shape[1] * (2 if self.gated is not None else 1),
                                   num_groups(self, mGroups, mC_mnl), num_k_tiles)
                 row_start, col_start, k_count, batch_idx = tile.row_start, tile.col_start, tile.k_count, tile.c_batch
-            column_values = self._column_values(tCcC, mBias, mScaleB, col_start, mC_mnl.shape, batch_idx)
+            # (scale_b per group: the group's batch of B)
+            column_values = self._column_values(tCcC, mBias, mScaleB, col_start, mC_mnl.shape,
+                                                tile.b_batch if self.grouped is not None else batch_idx)
             if cutlass.const_expr(self.swap_ab):  # the bias runs along the rows, scale_b (a's) along the columns
                 column_values = (self._row_bias(tCcC, mBias, row_start, mC_mnl.shape), column_values[1])
 
@@ -613,7 +623,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
                                           group_tidx, self.tile_threads)
             if finishes:
                 # ---- epilogue: alpha, bias and activation in fp32 registers, then out
-                if cutlass.const_expr(self.grouped is None):
+                if cutlass.const_expr(self.grouped is None or self.scale_mode is not None):
                     self._scale_add_bias(acc, alpha, tCcC, column_values, mScaleA, row_start, mC_mnl.shape, batch_idx)
                     apply_activation(acc, self.activation, prescaled=True)  # _scale_add_bias scaled its input
                 if cutlass.const_expr(self.grouped is not None and not self.direct_store):
@@ -704,9 +714,11 @@ def build(spec: KernelSpec):
         b_rank, out_rank = (3, 2) if gemm.grouped == "rows" else (2, 3)
         groups = cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(), cute.sym_int32()),
                                                (cute.sym_int64(), 1), assumed_align=4)
-        return gemm.run_grouped, (fake_operand(ab_dtype, gemm.a_k_major, 2),
-                                  fake_operand(b_dtype, not gemm.b_k_major, b_rank), groups,
-                                  fake_operand(out_dtype, True, out_rank), Int32(1), stream)
+        operands = (fake_operand(ab_dtype, gemm.a_k_major, 2), fake_operand(b_dtype, not gemm.b_k_major, b_rank))
+        tail = (groups, fake_operand(out_dtype, True, out_rank), Int32(1), stream)
+        if scale_mode is not None:  # rowwise: scale_a (M, 1), scale_b (G, 1, N)
+            return gemm.run_grouped_scaled, (*operands, fake_scales("row", 2), fake_scales("row", 3), *tail)
+        return gemm.run_grouped, (*operands, *tail)
     # the caller's torch-order tensors (a (L, M, K), b (L, K, N), out (L, M, N)); the jit function
     # permutes their layouts, so the host passes them as they are. Swapped operands: the kernel's
     # A (dtype ab, majorness a_major) is b^T, its B (dtype b, majorness b_major) a^T
