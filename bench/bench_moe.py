@@ -8,7 +8,8 @@ and Qwen3-30B-A3B's (hidden 2048, width 768, 128 experts, top-8) at 4096 and 163
 gate/up projection (x @ W_gu^T, N = 2 x width, K = hidden) and the down projection (N = hidden,
 K = width), forward, and the backward's dA (dY @ W, rows grouped) and dB (x^T @ dY, K grouped);
 the gate/up projection also with SwiGLU fused (``activation="swiglu"``) against
-torch._grouped_mm followed by silu(gate) * up.
+torch._grouped_mm followed by silu(gate) * up; the forward in FP8 e4m3 with rowwise scales
+(``tco.scaled_grouped_mm`` beside ``torch._scaled_grouped_mm``).
 Routing: a fixed random router with realistic imbalance: expert popularity drawn from
 Dirichlet(0.3) (seed 0), each token picking top-8 distinct experts weighted by it.
 
@@ -65,6 +66,28 @@ def torch_swiglu(x, w_t, offs):
     return torch.nn.functional.silu(gate) * up
 
 
+def rowwise_fp8(t: torch.Tensor, dim: int):
+    """e4m3 values and fp32 scales, one per slice along ``dim`` (amax / 448)."""
+    scale = t.abs().amax(dim=dim, keepdim=True).float().clamp_min(1e-12) / 448.0
+    return (t / scale).to(torch.float8_e4m3fn), scale.squeeze(dim)
+
+
+def fp8_providers(x, w, offs):
+    """The forward in FP8 e4m3 with rowwise scales (x per row, w per group and output column):
+    tco.scaled_grouped_mm beside torch._scaled_grouped_mm."""
+    x8, scale_x = rowwise_fp8(x, -1)
+    w8, scale_w = rowwise_fp8(w, -1)  # (G, N, K): a scale per (group, column of the output)
+    w8_t = w8.transpose(-2, -1)
+    calls = {"fp8 cute": lambda: tco.scaled_grouped_mm(x8, w8_t, scale_x, scale_w, offs)}
+    try:
+        torch._scaled_grouped_mm(x8, w8_t, scale_x, scale_w, offs=offs, out_dtype=torch.bfloat16)
+        calls["fp8 torch"] = lambda: torch._scaled_grouped_mm(x8, w8_t, scale_x, scale_w, offs=offs,
+                                                              out_dtype=torch.bfloat16)
+    except Exception as err:
+        print(f"torch._scaled_grouped_mm skipped: {type(err).__name__}: {str(err)[:100]}")
+    return calls
+
+
 def providers(x, w, offs, dy, quack, gated: bool):
     """name -> call, per measured GEMM of one projection (w: (G, N, K) as nn.Linear keeps it);
     ``gated``: the gate/up projection, also timed with SwiGLU ([gate | up] columns)."""
@@ -80,6 +103,7 @@ def providers(x, w, offs, dy, quack, gated: bool):
         "dB cute": lambda: tco.grouped_mm(x.t(), dy, offs),
         "dB torch": lambda: torch._grouped_mm(x.t(), dy, offs=offs),
     }
+    calls.update(fp8_providers(x, w, offs))
     if gated:
         calls["swiglu cute"] = lambda: tco.grouped_mm(x, w_t, offs, activation="swiglu")
         calls["swiglu torch"] = lambda: torch_swiglu(x, w_t, offs)
@@ -106,6 +130,8 @@ def bench_projection(name, rows_offs, n, k, experts, rounds, quack):
     line = f"{name:<34} rows {rows:>6}  " + "  ".join(f"{key} {value:6.0f}" for key, value in t.items())
     ratios = [f"fwd x{t['fwd cute'] / t['fwd torch']:.2f} torch, {t['fwd cute'] / t['fwd dense']:.0%} dense",
               f"dA x{t['dA cute'] / t['dA torch']:.2f}", f"dB x{t['dB cute'] / t['dB torch']:.2f}"]
+    if "fp8 torch" in t:
+        ratios.append(f"fp8 x{t['fp8 cute'] / t['fp8 torch']:.2f} torch")
     if "swiglu cute" in t:
         ratios.append(f"swiglu x{t['swiglu cute'] / t['swiglu torch']:.2f} (torch + silu * up)")
     if "fwd quack" in t:
