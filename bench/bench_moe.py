@@ -66,17 +66,21 @@ def torch_swiglu(x, w_t, offs):
     return torch.nn.functional.silu(gate) * up
 
 
-def rowwise_fp8(t: torch.Tensor, dim: int):
-    """e4m3 values and fp32 scales, one per slice along ``dim`` (amax / 448)."""
-    scale = t.abs().amax(dim=dim, keepdim=True).float().clamp_min(1e-12) / 448.0
-    return (t / scale).to(torch.float8_e4m3fn), scale.squeeze(dim)
+def rowwise_fp8(t: torch.Tensor):
+    """e4m3 values and fp32 scales, one per row (amax / 448); a 3-D tensor group by group, so
+    that the temporaries stay one group's size (DeepSeek-V3's experts are 15 GB in bf16)."""
+    if t.dim() == 3:
+        values, scales = zip(*(rowwise_fp8(group) for group in t))
+        return torch.stack(values), torch.stack(scales)
+    scale = t.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / 448.0
+    return (t / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
 def fp8_providers(x, w, offs):
     """The forward in FP8 e4m3 with rowwise scales (x per row, w per group and output column):
     tco.scaled_grouped_mm beside torch._scaled_grouped_mm."""
-    x8, scale_x = rowwise_fp8(x, -1)
-    w8, scale_w = rowwise_fp8(w, -1)  # (G, N, K): a scale per (group, column of the output)
+    x8, scale_x = rowwise_fp8(x)
+    w8, scale_w = rowwise_fp8(w)  # (G, N, K): a scale per (group, column of the output)
     w8_t = w8.transpose(-2, -1)
     calls = {"fp8 cute": lambda: tco.scaled_grouped_mm(x8, w8_t, scale_x, scale_w, offs)}
     try:
