@@ -1,7 +1,7 @@
 """Mixture-of-experts grouped GEMM speed on the GPU: ``tco.grouped_mm`` vs ``torch._grouped_mm``,
 one dense cuBLAS ``torch.mm`` of the same total rows, and QuACK's varlen-M GEMM when importable.
 
-    python bench/bench_moe.py [--rounds 3] [--quick] [--out DIR]
+    python bench/bench_moe.py [--rounds 3] [--quick] [--tile-m 64] [--out DIR]
 
 Shapes (bf16): DeepSeek-V3's routed experts (hidden 7168, expert width 2048, 256 experts, top-8)
 and Qwen3-30B-A3B's (hidden 2048, width 768, 128 experts, top-8) at 4096 and 16384 tokens: the
@@ -16,7 +16,9 @@ Dirichlet(0.3) (seed 0), each token picking top-8 distinct experts weighted by i
 Timing: triton.testing.do_bench medians, providers interleaved over ``--rounds`` rounds
 (bench/interleave.py), every call through the public API, weights as nn.Linear keeps them
 ((G, N, K), passed transposed). Prints TFLOP/s (2 * rows * N * K per GEMM) and ratios to
-torch._grouped_mm and to the dense GEMM; ``--out DIR`` writes DIR/moe.json.
+torch._grouped_mm and to the dense GEMM; ``--out DIR`` writes DIR/moe.json. ``--tile-m 64`` runs
+the grouped kernels on 64-row tiles (less row padding of small groups: 1.24x the routed rows
+instead of 1.54x at DeepSeek-V3's 4096 tokens, on one consumer warpgroup per tile).
 """
 
 import argparse
@@ -150,8 +152,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="4096 tokens only")
+    parser.add_argument("--tile-m", type=int, choices=(64, 128), default=128,
+                        help="row tile of the grouped kernels (the heuristic's is 128)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.tile_m != 128:
+        from torch_cute_ops.runtime import grouped_gemm
+        from torch_cute_ops.runtime.gemm_config import GemmConfig
+
+        grouped_gemm.grouped_config = lambda form, n: GemmConfig(args.tile_m, 256 if n >= 1024 else 128)
     torch.manual_seed(0)
     quack = quack_varlen()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, TFLOP/s (2 * rows * N * K); "
