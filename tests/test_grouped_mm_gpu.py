@@ -32,6 +32,7 @@ def strict_and_poisoned(monkeypatch):
 
     monkeypatch.setattr(grouped_ops, "empty_output", poisoned)
     monkeypatch.setattr("torch_cute_ops.ops.gemm.empty_output", poisoned)
+    monkeypatch.setattr("torch_cute_ops.ops.scaled_grouped_gemm.empty_output", poisoned)
 
 
 def check(out, ref, dtype):
@@ -224,3 +225,33 @@ def test_fp8_rowwise(groups, kind):
     ref = loop64(a.double() * scale_a.double()[:, None], w.transpose(-2, -1).double() * scale_b.double()[:, None, :],
                  offs)
     check(out, ref, torch.bfloat16)
+
+
+def test_opcheck_and_compile_on_cuda():
+    """opcheck on the kernel path, and a compiled MoE step (fullgraph, dynamic) that keeps one graph
+    while the routing and the total rows change."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    sizes = [3, 0, 130, 17]
+    x = torch.randn(sum(sizes), 136, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, 264, 136, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    offs = offsets(sizes)
+    torch.library.opcheck(torch.ops.cute.grouped_mm.default, (x, w.transpose(-2, -1), offs),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+
+    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
+    def step(x, offs):
+        return tco.grouped_mm(x, w.transpose(-2, -1), offs, activation="swiglu").float().square().sum()
+
+    frames = []
+    for sizes in ([3, 0, 130, 17], [64, 64, 1, 0], [0, 0, 0, 300]):
+        x = torch.randn(sum(sizes) + 1, 136, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        offs = offsets(sizes)
+        loss = step(x, offs)
+        loss.backward()
+        eager = tco.grouped_mm(x, w.transpose(-2, -1), offs, activation="swiglu").float().square().sum()
+        torch.testing.assert_close(loss, eager, rtol=1e-3, atol=1e-3)
+        frames.append(counter.frame_count)
+    assert frames[1:] == [frames[1]] * 2, f"recompiled: {frames}"
