@@ -76,4 +76,5 @@ def test_grouped_variants_are_cooperative_and_plain():
     with pytest.raises(ValueError, match="grouped must be one of"):
         Sm90Gemm(bf16, bf16, True, False, False, None, GemmConfig(128, 256), grouped="cols")
     with pytest.raises(ValueError, match="gated epilogues"):
-        Sm90Gemm(bf16, bf16, True, False, False, None, GemmConfig(128, 256), grouped="k", gated=("swiglu", 1.0, 7.0, "concat"))
+        Sm90Gemm(bf16, bf16, True, False, False, None, GemmConfig(128, 256), grouped="k",
+                 gated=("swiglu", 1.0, 7.0, "concat"))

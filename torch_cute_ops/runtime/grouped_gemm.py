@@ -16,7 +16,8 @@ import torch
 
 from .cache import get_compiled
 from .gemm import SM90 as DENSE_SM90
-from .gemm import DTYPE_NAMES, GemmLaunch, _view, gemm_spec, scaled_spec, layout_reason, operand_strides, out_strides, sm_count
+from .gemm import (DTYPE_NAMES, GemmLaunch, _view, gemm_spec, layout_reason, operand_strides, out_strides,
+                   scaled_spec, sm_count)
 from .gemm_config import GemmConfig
 from .spec import KernelSpec
 from .tma import TMA_ALIGN_BYTES

@@ -590,8 +590,9 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             if cutlass.const_expr(self.grouped is not None):
                 # an empty group (K grouped) or the rows past the last group: zeros, nothing loaded
                 if k_count > 0:
-                    read_state, release_state = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, read_state,
-                                                               release_state, k_count, (sA, sB, tile.k_tail, group_tidx))
+                    read_state, release_state = self._mainloop(
+                        ab_pipeline, tiled_mma, acc, tCrA, tCrB, read_state, release_state, k_count,
+                        (sA, sB, tile.k_tail, group_tidx))
                     warpgroup.wait_group(0)
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
@@ -707,7 +708,8 @@ def build(spec: KernelSpec):
     gemm = Sm90Gemm(ab_dtype, out_dtype, spec["a_major"] == "k", spec["b_major"] == "k", spec["bias"],
                     activation, GemmConfig.from_spec_params(spec), b_dtype, bias_dtype, scale_mode,
                     spec.get("odd_n", False), spec.get("grouped"),
-                    (spec["gated"], spec["gate_alpha"], spec["gate_limit"], spec["gate_up"]) if spec.get("gated") else None)
+                    (spec["gated"], spec["gate_alpha"], spec["gate_limit"], spec["gate_up"]) if spec.get("gated")
+                    else None)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if gemm.grouped is not None:
         # rows: a (M, K), b (G, K, N), out (M, N); K grouped: a (M, K), b (K, N), out (G, M, N)
