@@ -39,6 +39,10 @@ only): the bias runs along the kernel's rows, the out is M-major and stored from
 Rowwise scales swap with their operands (the kernel's ``scale_a`` is the caller's ``scale_b``
 seen as a column), so the epilogue is the same.
 
+Grouped variants (``grouped``: a Mixture-of-Experts layer's expert GEMMs in one launch, rows or K
+grouped by a device-side group table; ``gated``: SwiGLU fused for gate/up projections) are this
+kernel with the extension of ``gemm_grouped.py``, which explains them.
+
 The tile schedule is :class:`~..common.tile_scheduler.PersistentTileScheduler`
 (banded rasterization for L2 reuse), or for stream-K variants (``GemmConfig.stream_k``, many
 waves with a partial last one) :class:`~..common.tile_scheduler.StreamKTileScheduler`: the
