@@ -15,4 +15,8 @@ TORCH_LIBRARY(cute, m) {
   m.def("flash_attn_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, bool causal, SymInt? window_left=None, SymInt? window_right=None, float softcap=0.0, Tensor? learnable_sink=None, Tensor(a!)? dsink=None, *, bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("flash_attn_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor cache_seqlens, Tensor? cache_batch_idx, Tensor? page_table, float softmax_scale, bool causal, SymInt? window_left=None, SymInt? window_right=None, float softcap=0.0, Tensor? cache_leftpad=None, Tensor? learnable_sink=None) -> (Tensor out, Tensor lse)");
   m.def("scaled_gemm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias=None, ScalarType? out_dtype=None, str? activation=None) -> Tensor");
+  m.def("grouped_mm(Tensor mat_a, Tensor mat_b, Tensor? offs=None, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
+  m.def("grouped_mm_masked(Tensor a, Tensor b, Tensor counts, ScalarType? out_dtype=None) -> Tensor");
+  m.def("scaled_grouped_mm(Tensor mat_a, Tensor mat_b, Tensor scale_a, Tensor scale_b, Tensor? offs=None, ScalarType? out_dtype=None) -> Tensor");
+  m.def("grouped_mm_swiglu(Tensor mat_a, Tensor mat_b, Tensor offs, str activation, str gate_up_layout, float alpha=1.702, float limit=7.0, ScalarType? out_dtype=None) -> Tensor");
 }

@@ -136,7 +136,7 @@ def _kernels_here(device: torch.device) -> list[tuple[str, str]]:
     from .ops import dispatch
 
     rows = []
-    for op in ("gemm", "flash_attn_fwd", "flash_attn_bwd"):
+    for op in ("gemm", "grouped_mm", "flash_attn_fwd", "flash_attn_bwd"):
         host = dispatch.kernel_for(op, device)
         rows.append((op, host if isinstance(host, str) else f"kernel ({getattr(host, 'arch', 'sm_90a')})"))
     gemm_row = rows[0][1]  # FP8 rides on the GEMM kernel of sm_90a only
@@ -177,6 +177,7 @@ def self_check(device: torch.device) -> list[tuple[str, float, float]]:
     rows.append(("gemm column-major a, b (344x520x264)", _rel_err(out, a_cm.double() @ b_cm.double()), bound))
 
     rows += _fp8_self_check(device, gen)
+    rows += _grouped_self_check(randn, bound)
 
     q, k, v = randn(2, 300, 8, 128), randn(2, 257, 2, 128), randn(2, 257, 2, 128)
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
@@ -202,6 +203,29 @@ def self_check(device: torch.device) -> list[tuple[str, float, float]]:
                                         128 ** -0.5, True, 63, None, 20.0)
     for name, g, r in zip("qkv", grads, ref_grads):
         rows.append((f"flash_attn bwd d{name} window (63, 0) softcap 20", _rel_err(g, r), 2 * bound))
+    return rows
+
+
+def _grouped_self_check(randn, bound: float) -> list[tuple[str, float, float]]:
+    """grouped_mm's MoE forms (groups of 0, 1, a prime and more than a tile of rows) and fused
+    SwiGLU against the float64 reference loop."""
+    from . import functional
+    from .reference import grouped_gemm as ref_grouped
+
+    offs = torch.tensor([0, 1, 131, 131, 300], dtype=torch.int32, device=randn(1).device).cumsum(0, dtype=torch.int32)
+    x, w, dy = randn(600, 264), randn(5, 520, 264), randn(600, 520)
+    rows = []
+    out = functional.grouped_mm(x, w.transpose(-2, -1), offs)
+    ref = ref_grouped.grouped_mm(x.double(), w.transpose(-2, -1).double(), offs, None, torch.float64)
+    rows.append(("grouped_mm rows grouped (5 experts, 563 of 600 rows, 520x264)", _rel_err(out, ref), bound))
+    out = functional.grouped_mm(x.t(), dy, offs)
+    ref = ref_grouped.grouped_mm(x.t().double(), dy.double(), offs, None, torch.float64)
+    rows.append(("grouped_mm K grouped, a weight gradient (5x264x520)", _rel_err(out, ref), bound))
+    for layout in ("concat", "interleaved"):
+        out = functional.grouped_mm(x, w.transpose(-2, -1), offs, activation="swiglu", gate_up_layout=layout)
+        pre = ref_grouped.grouped_mm(x.double(), w.transpose(-2, -1).double(), offs, None, torch.float64)
+        ref = ref_grouped.swiglu(pre, layout)
+        rows.append((f"grouped_mm swiglu {layout} gate/up", _rel_err(out, ref), bound))
     return rows
 
 

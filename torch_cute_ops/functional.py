@@ -10,8 +10,10 @@ from .ops import attention as _attention
 from .ops import attention_kvcache as _attention_kvcache
 from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
+from .ops import grouped_gemm as _grouped_gemm
 from .ops import checks
 from .ops import scaled_gemm as _scaled_gemm
+from .ops import scaled_grouped_gemm as _scaled_grouped_gemm
 from .ops import bounds
 from .ops import sinks as _sinks
 from .ops.direct import dispatcher_free
@@ -47,6 +49,66 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     if dispatcher_free(a, b, scale_a, scale_b, bias):
         return _scaled_gemm.scaled_gemm_impl(a, b, scale_a, scale_b, bias, out_dtype, activation)
     return torch.ops.cute.scaled_gemm(a, b, scale_a, scale_b, bias, out_dtype, activation)
+
+
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *,
+               activation: str | None = None, gate_up_layout: str = "concat", alpha: float = 1.702,
+               limit: float = 7.0) -> torch.Tensor:
+    """``torch.nn.functional.grouped_mm``'s semantics (a Mixture-of-Experts layer's expert GEMMs):
+
+    * 2D x 3D: mat_a (M, K) rows grouped by ``offs`` (int32 (G,), cumulative group ends: group g
+      owns rows ``offs[g - 1]:offs[g]``), mat_b (G, K, N) (e.g. ``w.transpose(-2, -1)`` of a
+      (G, N, K) weight) -> (M, N);
+    * 3D x 3D: batched, no offs -> (G, M, N);
+    * 2D x 2D: mat_a (M, K) and mat_b (K, N), K grouped by offs -> (G, M, N) (a weight gradient);
+    * 3D x 2D: mat_a (G, M, K), mat_b (K, N), N grouped by offs -> (M, N) (column-major).
+
+    Groups of any size, zero included; rows (columns) past ``offs[-1]`` come out zero. ``bias``
+    (G, N): group g's row added to its outputs (forms with a 3-D mat_b). Differentiable; the
+    backward runs the same op. ``offs`` is checked (0 <= offs <= the grouped extent,
+    non-decreasing) without a host sync: on a GPU a violation is a device-side assertion.
+
+    ``activation`` (2D x 3D, a fused gate/up projection): mat_b's N columns hold gate and up,
+    ``gate_up_layout="concat"`` ([gate | up], Qwen3 / Mixtral) or ``"interleaved"`` (gpt-oss:
+    gate at even columns, up at odd ones); returns N / 2 columns. ``"swiglu"``: silu(gate) * up;
+    ``"swiglu_oai"`` (gpt-oss): gate clamped above at ``limit``, up to [-limit, limit], (up + 1) *
+    gate * sigmoid(alpha * gate). Applied to the fp32 accumulator; differentiable (the backward
+    recomputes the pre-activation).
+    """
+    if activation is not None:
+        if bias is not None:
+            raise NotImplementedError("bias: not taken together with activation")
+        if dispatcher_free(mat_a, mat_b, offs):
+            return _grouped_gemm.grouped_mm_swiglu_impl(mat_a, mat_b, offs, activation, gate_up_layout,
+                                                        float(alpha), float(limit), out_dtype)
+        return torch.ops.cute.grouped_mm_swiglu(mat_a, mat_b, offs, activation, gate_up_layout, float(alpha),
+                                                float(limit), out_dtype)
+    if dispatcher_free(mat_a, mat_b, offs, bias):
+        return _grouped_gemm.grouped_mm_impl(mat_a, mat_b, offs, bias, out_dtype)
+    return torch.ops.cute.grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
+
+
+def scaled_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                      offs: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """FP8 e4m3 expert GEMMs with rowwise scales, ``torch._scaled_grouped_mm``'s 2D x 3D form: mat_a
+    (M, K) row-major with scale_a (M,), mat_b (G, K, N) K-major (``w.transpose(-2, -1)``) with
+    scale_b (G, N), rows grouped by ``offs`` as in :func:`grouped_mm`; bf16 out by default. Not
+    differentiable."""
+    if dispatcher_free(mat_a, mat_b, scale_a, scale_b, offs):
+        return _scaled_grouped_gemm.scaled_grouped_mm_impl(mat_a, mat_b, scale_a, scale_b, offs, out_dtype)
+    return torch.ops.cute.scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype)
+
+
+def grouped_mm_masked(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """DeepGEMM's masked grouped layout (decoding under CUDA graphs): a (G, capacity, K), b (G, K, N),
+    ``counts`` int32 (G,) on the device: group g's first ``counts[g]`` rows are real. Returns
+    (G, capacity, N); rows past a group's count are unspecified (the kernel skips their tiles).
+    No host sync. Not differentiable."""
+    if dispatcher_free(a, b, counts):
+        return _grouped_gemm.grouped_mm_masked_impl(a, b, counts, out_dtype)
+    return torch.ops.cute.grouped_mm_masked(a, b, counts, out_dtype)
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -105,6 +105,17 @@ def check_within(name: str, t: torch.Tensor, low: int, high, what: str, offset: 
     mark_checked(t, bound)
 
 
+def check_nondecreasing(name: str, t: torch.Tensor) -> None:
+    """``t`` (1-D) never decreases: cumulative offsets. Once per version of ``t``."""
+    if not readable(t) or t.numel() < 2:
+        return
+    capturing = _capturing(t)
+    if not capturing and _recorded(t, "nondecreasing"):
+        return
+    require(t[1:] >= t[:-1], f"{name}: values must be non-decreasing (cumulative group ends)", t[1:])
+    mark_checked(t, "nondecreasing")
+
+
 def mark_within(t: torch.Tensor, low: int, high, offset: int = 0) -> None:
     """Record that the package made ``t`` within these bounds (:func:`check_within` then skips it)."""
     if readable(t, high if isinstance(high, torch.Tensor) else None):

@@ -16,6 +16,7 @@ import torch
 _HOSTS = {
     ("gemm", "sm90"): ("torch_cute_ops.runtime.gemm", "SM90"),
     ("gemm", "sm100"): ("torch_cute_ops.runtime.gemm", "SM100"),
+    ("grouped_mm", "sm90"): ("torch_cute_ops.runtime.grouped_gemm", "SM90"),
     ("flash_attn_fwd", "sm90"): ("torch_cute_ops.runtime.attention", None),
     ("flash_attn_bwd", "sm90"): ("torch_cute_ops.runtime.attention", None),
     ("flash_attn_varlen_fwd", "sm90"): ("torch_cute_ops.runtime.attention", None),

@@ -39,6 +39,14 @@ SCHEMAS = {
                           "-> (Tensor out, Tensor lse)",
     "scaled_gemm": "scaled_gemm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias=None, "
                    "ScalarType? out_dtype=None, str? activation=None) -> Tensor",
+    "grouped_mm": "grouped_mm(Tensor mat_a, Tensor mat_b, Tensor? offs=None, Tensor? bias=None, "
+                  "ScalarType? out_dtype=None) -> Tensor",
+    "grouped_mm_masked": "grouped_mm_masked(Tensor a, Tensor b, Tensor counts, ScalarType? out_dtype=None) -> Tensor",
+    "scaled_grouped_mm": "scaled_grouped_mm(Tensor mat_a, Tensor mat_b, Tensor scale_a, Tensor scale_b, "
+                         "Tensor? offs=None, ScalarType? out_dtype=None) -> Tensor",
+    "grouped_mm_swiglu": "grouped_mm_swiglu(Tensor mat_a, Tensor mat_b, Tensor offs, str activation, "
+                         "str gate_up_layout, float alpha=1.702, float limit=7.0, ScalarType? out_dtype=None) "
+                         "-> Tensor",
 }
 
 # Kernels never take the reference's CPU path, but CPU tensors must work everywhere.

@@ -13,9 +13,9 @@ from .spec import ARCHES, KernelSpec
 def shipped_specs(arch: str, family: str | None = None) -> list[KernelSpec]:
     """The variants the package ships for ``arch`` (prebuilt by ``aot``, listed by ``compile``);
     ``family`` filters by family name or prefix (``gemm``, ``flash_fwd_sm90``)."""
-    from . import attention, gemm
+    from . import attention, gemm, grouped_gemm
 
-    specs = [*gemm.SM90.shipped(), *gemm.SM100.shipped(), *attention.shipped(arch)]
+    specs = [*gemm.SM90.shipped(), *gemm.SM100.shipped(), *grouped_gemm.SM90.shipped(), *attention.shipped(arch)]
     return [s for s in specs if s.arch == arch
             and (family is None or s.family == family or s.family.startswith(family + "_"))]
 

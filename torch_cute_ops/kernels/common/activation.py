@@ -65,3 +65,20 @@ def apply_activation(frag: cute.Tensor, activation: cutlass.Constexpr, prescaled
             fn = _OF_SCALED[activation][1]
         for i in cutlass.range_constexpr(cute.size(frag)):
             frag[i] = fn(frag[i])
+
+
+GATED_ACTIVATIONS = ("swiglu", "swiglu_oai")
+
+
+@cute.jit
+def gated_activation(gate: cutlass.Float32, up: cutlass.Float32, activation: cutlass.Constexpr,
+                     alpha: cutlass.Constexpr, limit: cutlass.Constexpr) -> cutlass.Float32:
+    """A gate/up pair's output (``torch_cute_ops.reference.grouped_gemm.swiglu``): "swiglu",
+    silu(gate) * up; "swiglu_oai" (gpt-oss), gate clamped above at ``limit``, up to [-limit,
+    limit], (up + 1) * gate * sigmoid(alpha * gate)."""
+    if cutlass.const_expr(activation == "swiglu"):
+        return _silu(gate) * up
+    gate = cute.arch.fmin(gate, cutlass.Float32(limit))
+    up = cute.arch.fmax(cute.arch.fmin(up, cutlass.Float32(limit)), cutlass.Float32(-limit))
+    sigmoid = cute.arch.rcp_approx(1.0 + cute.math.exp2(gate * (-alpha * _LOG2_E), fastmath=True))
+    return (up + 1.0) * gate * sigmoid

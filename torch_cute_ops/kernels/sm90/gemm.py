@@ -39,6 +39,10 @@ only): the bias runs along the kernel's rows, the out is M-major and stored from
 Rowwise scales swap with their operands (the kernel's ``scale_a`` is the caller's ``scale_b``
 seen as a column), so the epilogue is the same.
 
+Grouped variants (``grouped``: a Mixture-of-Experts layer's expert GEMMs in one launch, rows or K
+grouped by a device-side group table; ``gated``: SwiGLU fused for gate/up projections) are this
+kernel with the extension of ``gemm_grouped.py``, which explains them.
+
 The tile schedule is :class:`~..common.tile_scheduler.PersistentTileScheduler`
 (banded rasterization for L2 reuse), or for stream-K variants (``GemmConfig.stream_k``, many
 waves with a partial last one) :class:`~..common.tile_scheduler.StreamKTileScheduler`: the
@@ -59,12 +63,14 @@ from cutlass.tensor_utils import LayoutEnum
 from ...runtime.gemm_config import GemmConfig
 from ...runtime.spec import KernelSpec
 from ...runtime.tma import TMA_ALIGN_BYTES
-from ..common.activation import apply_activation
+from ..common.activation import GATED_ACTIVATIONS, apply_activation
 from ..common.gemm_operands import (fake_block_scales, fake_operand, fake_scales, scales_to_kernel_order,
                                     swapped_scales, to_kernel_order, to_swapped_kernel_order)
 from ..common.tile_scheduler import PersistentTileScheduler, StreamKTileScheduler, stream_k_fixup
 from .gemm_block_scaled import SCALE_BLOCK, BlockScaledMainloop
 from .gemm_epilogue import GemmEpilogue
+from .gemm_grouped import (GROUPED_MODES, concat_as_interleaved, group_tile, grouped_kernel_order, num_groups,
+                           row_tiles_bound, total_row_tiles, zero_k_tail)
 
 
 # spec dtype string -> DSL type
@@ -94,7 +100,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
 
     def __init__(self, ab_dtype, out_dtype, a_k_major: bool, b_k_major: bool, has_bias: bool,
                  activation, config: GemmConfig, b_dtype=None, bias_dtype=None, scale_mode=None,
-                 odd_n: bool = False):
+                 odd_n: bool = False, grouped: str | None = None, gated: tuple | None = None):
         narrow_n = (16, 32) if config.swap_ab else ()  # a decode step's few rows as the MMA's N
         # 96 columns: N = 12288 in 128 tiles, about one wave on 132 SMs (runtime.gemm_config); 160:
         # N = 4096 in 26 columns of tiles, one wave of 130 at M = 640
@@ -116,6 +122,22 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             # the per-k-tile fragment doubles the accumulator registers (gemm_block_scaled.py)
             raise ValueError(f"blockwise scales need a cooperative tile of 64 or 128 columns, or 128 x 192, or "
                              f"256 x 128, got {config}")
+        if grouped not in GROUPED_MODES:
+            raise ValueError(f"grouped must be one of {GROUPED_MODES}, got {grouped!r}")
+        if grouped and (config.pingpong or config.stream_k or config.swap_ab or config.cluster_mn != (1, 1)
+                        or scale_mode not in (None, "row") or (scale_mode and grouped != "rows") or has_bias
+                        or activation or config.tile_m == 256):
+            # each tile's k-tile count is its group's (no ping-pong ring skip, no stream-K split), and
+            # the two CTAs of a cluster may lie in different groups (no shared B)
+            raise ValueError(f"grouped GEMMs run cooperative 1 x 1 tiles without epilogue extras but rowwise "
+                             f"scales (rows mode), got {config}, scales {scale_mode}")
+        if gated is not None and (grouped != "rows" or gated[0] not in GATED_ACTIVATIONS
+                                  or gated[3] not in ("concat", "interleaved")):
+            raise ValueError(f"gated epilogues ({GATED_ACTIVATIONS}) run on rows-grouped variants, got {gated}")
+        self.grouped = grouped  # None, "rows" (M grouped) or "k" (K grouped), see grouped_gemm.py
+        # (activation, alpha, limit, gate/up layout) of a gate/up projection: C has half of B's
+        # columns (gemm_grouped.py)
+        self.gated = gated
         self.ab_dtype = ab_dtype  # A's dtype (B's too unless b_dtype says otherwise)
         self.b_dtype = b_dtype or ab_dtype
         self.bias_dtype = bias_dtype or ab_dtype
@@ -156,7 +178,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         # fp32 results go straight from registers to global memory; 16-bit ones through
         # a ring of swizzled smem subtiles (stmatrix) and TMA stores, except for swapped
         # operands, whose out^T is M-major and a few columns wide
-        self.direct_store = out_dtype.width == 32 or self.swap_ab
+        self.direct_store = out_dtype.width == 32 or self.swap_ab or gated is not None
         self.epi_tile = (64 * self.tile_wgs, 32)
         # ping-pong keeps a ring per warpgroup: three subtiles each leave room for a fifth A/B
         # stage at 128 x 192 (QuACK's default tile and depth)
@@ -202,12 +224,29 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
                              stream, mPartials=None, mFlags=None):
         self._launch(mA, mB, mBias, mC, Float32(1.0), max_clusters, stream, mScaleA, mScaleB, (mPartials, mFlags))
 
+    @cute.jit
+    def run_grouped(self, mA: cute.Tensor, mB: cute.Tensor, mGroups: cute.Tensor, mC: cute.Tensor,
+                    max_clusters: Int32, stream):
+        """A grouped GEMM (``self.grouped``; the group table ``mGroups`` in grouped_gemm.py)."""
+        self._launch(mA, mB, mC, mC, Float32(1.0), max_clusters, stream, mGroups=mGroups)
+
+    @cute.jit
+    def run_grouped_scaled(self, mA: cute.Tensor, mB: cute.Tensor, mScaleA: cute.Tensor, mScaleB: cute.Tensor,
+                           mGroups: cute.Tensor, mC: cute.Tensor, max_clusters: Int32, stream):
+        """A rows-grouped FP8 GEMM with rowwise scales: scale_a (M, 1), scale_b (G, 1, N)."""
+        self._launch(mA, mB, mC, mC, Float32(1.0), max_clusters, stream, mScaleA, mScaleB, mGroups=mGroups)
+
     def _launch(self, mA, mB, mBias, mC, alpha, max_clusters, stream, mScaleA=None, mScaleB=None,
-                workspace=(None, None)):
+                workspace=(None, None), mGroups=None):
         """``workspace``: stream-K variants' (partial sums, flags), see StreamKTileScheduler;
-        the host sizes them with runtime.gemm.stream_k_workspace_size."""
+        the host sizes them with runtime.gemm.stream_k_workspace_size. ``mGroups``: a grouped
+        variant's group table."""
         mPartials, mFlags = workspace  # None unless stream-K
-        if cutlass.const_expr(self.swap_ab):
+        if cutlass.const_expr(self.grouped is not None):
+            mA, mB, mC = grouped_kernel_order(mA, mB, mC)
+            if cutlass.const_expr(self.gated is not None and self.gated[3] == "concat"):
+                mB = concat_as_interleaved(mB)
+        elif cutlass.const_expr(self.swap_ab):
             mA, mB, mC = to_swapped_kernel_order(mA, mB, mC)
         else:
             mA, mB, mC = to_kernel_order(mA, mB, mC)
@@ -249,8 +288,10 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         if cutlass.const_expr(self.scale_mode == "block"):  # the k-tiles' scales come with them
             tma_atom_sa, mScaleA, tma_atom_sb, mScaleB = self._scale_tma_atoms(mScaleA, mScaleB)
 
-        sched = self._scheduler(mC, cute.ceil_div(mA.shape[1], self.tile_shape_mnk[2]))
+        sched = self._scheduler(mC, cute.ceil_div(mA.shape[1], self.tile_shape_mnk[2]), mGroups)
         grid = sched.grid_shape(max_clusters)
+        if cutlass.const_expr(mGroups is None):
+            mGroups = mC  # never read
         sC_elems = 1 if self.direct_store else cute.cosize(sC_layout)
 
         @cute.struct
@@ -266,7 +307,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         self.shared_storage = SharedStorage
         self.kernel(
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tensor_c, mBias, mScaleA, mScaleB,
-            mPartials, mFlags, alpha, tiled_mma, sA_layout, sB_layout, sC_layout, tma_atom_sa, tma_atom_sb,
+            mPartials, mFlags, alpha, tiled_mma, sA_layout, sB_layout, sC_layout, tma_atom_sa, tma_atom_sb, mGroups, mC,
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
@@ -276,8 +317,19 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             use_pdl=True,
         )
 
-    def _scheduler(self, mC, num_k_tiles) -> PersistentTileScheduler:
-        args = (mC.shape, self.tile_shape_mnk[:2], self.cluster_shape_mn, self.config.group_size,
+    def _scheduler(self, mC, num_k_tiles, mGroups=None, row_tiles=None) -> PersistentTileScheduler:
+        """The tile schedule over C. Grouped rows: ``row_tiles`` (the device's real count of the
+        groups' row tiles) tiles of rows, or without it (the host's grid) the bound of
+        :func:`grouped_gemm.row_tiles_bound`."""
+        shape = mC.shape
+        if cutlass.const_expr(self.gated is not None):  # tiles of B's columns, two per output column
+            shape = (mC.shape[0], mC.shape[1] * 2, mC.shape[2])
+        if cutlass.const_expr(self.grouped == "rows"):
+            tile_m = self.tile_shape_mnk[0]
+            if cutlass.const_expr(row_tiles is None):
+                row_tiles = row_tiles_bound(mC.shape[0], mGroups.shape[1], tile_m)
+            shape = (row_tiles * tile_m, shape[1], 1)
+        args = (shape, self.tile_shape_mnk[:2], self.cluster_shape_mn, self.config.group_size,
                 self.config.band_along_m)
         if cutlass.const_expr(self.stream_k):
             return StreamKTileScheduler.create(*args, k_tiles=num_k_tiles)
@@ -289,7 +341,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
                mB_nkl: cute.Tensor, tma_atom_c, mC_mnl: cute.Tensor, mBias: cute.Tensor, mScaleA: cute.Tensor,
                mScaleB: cute.Tensor, mPartials, mFlags, alpha: Float32, tiled_mma: cute.TiledMma,
                sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout,
-               tma_atom_sa, tma_atom_sb):
+               tma_atom_sa, tma_atom_sb, mGroups: cute.Tensor, mC_gmem: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = warp_idx // 4
@@ -330,7 +382,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         gA = cute.local_tile(mA_mkl, (tile_m, tile_k), (None, None, None))
         gB = cute.local_tile(mB_nkl, (tile_n, tile_k), (None, None, None))
         num_k_tiles = cute.size(gA, mode=[3])
-        sched = self._scheduler(mC_mnl, num_k_tiles)
+        sched = self._scheduler(mC_mnl, num_k_tiles, mGroups)
 
         pipeline.pipeline_init_wait(cluster_layout_mnk)
         # Launched early (programmatic dependent launch): the set-up above overlapped the
@@ -340,21 +392,23 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         # they wait for all of it in turn.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.grouped == "rows"):  # the group table is the previous kernels' output
+            sched = self._scheduler(mC_mnl, num_k_tiles, mGroups, total_row_tiles(mGroups))
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self._produce(ab_pipeline, sched, tma_atom_a, tma_atom_b, mA_mkl, mB_nkl, gA, gB, sA, sB,
                               cluster_layout_mnk, cluster_coord_mnk, num_k_tiles,
-                              (tma_atom_sa, tma_atom_sb, mScaleA, mScaleB, scale_smem))
+                              (tma_atom_sa, tma_atom_sb, mScaleA, mScaleB, scale_smem), mGroups)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consume(ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, mScaleA, mScaleB, alpha,
-                          sA, sB, sC, num_k_tiles, tidx - 128, (mPartials, mFlags), scale_smem)
+                          sA, sB, sC, num_k_tiles, tidx - 128, (mPartials, mFlags), scale_smem, (mGroups, mC_gmem))
 
     @cute.jit
     def _produce(self, ab_pipeline, sched, tma_atom_a, tma_atom_b, mA_mkl, mB_nkl, gA, gB, sA, sB,
-                 cluster_layout_mnk, cluster_coord_mnk, num_k_tiles, scale_loads=None):
+                 cluster_layout_mnk, cluster_coord_mnk, num_k_tiles, scale_loads=None, mGroups=None):
         """TMA loads of every k-tile of every tile this CTA owns, ab_stages ahead of the MMAs
         (with blockwise scales, each k-tile's scales under the same barrier: ``scale_loads``)."""
         # A is split over the CTAs of a cluster row, B over those of a cluster column
@@ -373,12 +427,23 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
         work_idx, num_work_units, work_stride = self._work_walk(sched)
         while work_idx < num_work_units:
             tile_m_idx, tile_n_idx, batch_idx, k_begin, k_count, _ = self._work_tile(sched, work_idx, num_k_tiles)
-            if cutlass.const_expr(self.shift_rows):
+            if cutlass.const_expr(self.grouped is not None):
+                # the group's rows (or k range) from its first row (k): nothing before it is loaded
+                tile = group_tile(self, mGroups, tile_m_idx, tile_n_idx, batch_idx, mA_mkl.shape[0],
+                                  cute.size(mB_nkl, mode=[0]), mB_nkl.shape[2], num_k_tiles)
+                k_count = tile.k_count
+                tAgA_tile = self._k_tiles_at(tma_atom_a, cluster_coord_mnk[1], a_cta_layout, sA, mA_mkl,
+                                             tile.row_start, tile.k_start, 0, self.tile_shape_mnk[0])
+                tBgB_tile = self._k_tiles_at(tma_atom_b, cluster_coord_mnk[0], b_cta_layout, sB, mB_nkl,
+                                             tile.col_start, tile.k_start, tile.b_batch, self.tile_shape_mnk[1])
+            elif cutlass.const_expr(self.shift_rows):
                 tAgA_tile = self._k_tiles(tma_atom_a, cluster_coord_mnk[1], a_cta_layout, sA, mA_mkl, tile_m_idx,
                                           batch_idx, self.tile_shape_mnk[0], True)
             else:
                 tAgA_tile = tAgA[(None, tile_m_idx, None, batch_idx)]
-            if cutlass.const_expr(self.shift_cols):
+            if cutlass.const_expr(self.grouped is not None):
+                pass
+            elif cutlass.const_expr(self.shift_cols):
                 tBgB_tile = self._k_tiles(tma_atom_b, cluster_coord_mnk[0], b_cta_layout, sB, mB_nkl, tile_n_idx,
                                           batch_idx, self.tile_shape_mnk[1], False)
             else:
@@ -438,7 +503,14 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
     @cute.jit
     def _k_tiles(self, tma_atom, cta_coord, cta_layout, sX, mX, tile_idx, batch_idx, tile, is_a: bool):
         """(TMA values, k-tile) gmem view of an A (B) tile from its (moved) first row (column)."""
-        rows = cute.domain_offset((self._tile_start(tile_idx, mX.shape[0], tile, is_a), 0), mX[None, None, batch_idx])
+        return self._k_tiles_at(tma_atom, cta_coord, cta_layout, sX, mX,
+                                self._tile_start(tile_idx, mX.shape[0], tile, is_a), 0, batch_idx, tile)
+
+    @cute.jit
+    def _k_tiles_at(self, tma_atom, cta_coord, cta_layout, sX, mX, start, k_start, batch_idx, tile):
+        """(TMA values, k-tile) gmem view of an A (B) tile whose first row (column) is ``start`` and
+        first k ``k_start`` (a K-grouped tile's group start; the TMA takes any coordinate)."""
+        rows = cute.domain_offset((start, k_start), mX[None, None, batch_idx])
         gX = cute.local_tile(rows, (tile, self.tile_shape_mnk[2]), (0, None))
         _, tXgX = cpasync.tma_partition(tma_atom, cta_coord, cta_layout, cute.group_modes(sX, 0, 2),
                                         cute.group_modes(gX, 0, 2))
@@ -446,8 +518,11 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
 
     @cute.jit
     def _consume(self, ab_pipeline, sched, tiled_mma, tma_atom_c, mC_mnl, mBias, mScaleA, mScaleB, alpha,
-                 sA, sB, sC, num_k_tiles, mma_tidx, workspace, scale_smem=None):
-        """WGMMA main loop, then the fused epilogue, for every tile of this tile group."""
+                 sA, sB, sC, num_k_tiles, mma_tidx, workspace, scale_smem=None, grouped_args=None):
+        """WGMMA main loop, then the fused epilogue, for every tile of this tile group. A grouped
+        variant's ``grouped_args``: the group table and C in global memory (for predicated stores;
+        ``mC_mnl`` is the TMA's view of it)."""
+        mGroups, mC_gmem = grouped_args
         group = mma_tidx // self.tile_threads
         group_tidx = mma_tidx % self.tile_threads
         # WGMMA is issued per warpgroup: slice the MMA by warpgroup (a warp-uniform value, so the
@@ -503,13 +578,31 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
             tile_m_idx, tile_n_idx, batch_idx, k_begin, k_count, work = self._work_tile(sched, work_idx, num_k_tiles)
             row_start = self._tile_start(tile_m_idx, mC_mnl.shape[0], tile_m, True)
             col_start = self._tile_start(tile_n_idx, mC_mnl.shape[1], tile_n, False)
-            column_values = self._column_values(tCcC, mBias, mScaleB, col_start, mC_mnl.shape, batch_idx)
+            if cutlass.const_expr(self.grouped is not None):
+                tile = group_tile(self, mGroups, tile_m_idx, tile_n_idx, batch_idx, mC_mnl.shape[0],
+                                  mC_mnl.shape[1] * (2 if self.gated is not None else 1),
+                                  num_groups(self, mGroups, mC_mnl), num_k_tiles)
+                row_start, col_start, k_count, batch_idx = tile.row_start, tile.col_start, tile.k_count, tile.c_batch
+            # (scale_b per group: the group's batch of B)
+            column_values = self._column_values(tCcC, mBias, mScaleB, col_start, mC_mnl.shape,
+                                                tile.b_batch if self.grouped is not None else batch_idx)
             if cutlass.const_expr(self.swap_ab):  # the bias runs along the rows, scale_b (a's) along the columns
                 column_values = (self._row_bias(tCcC, mBias, row_start, mC_mnl.shape), column_values[1])
 
             if cutlass.const_expr(self.pingpong):
                 my_turn.arrive_and_wait()
-            if cutlass.const_expr(self.scale_mode == "block"):
+            if cutlass.const_expr(self.grouped is not None):
+                # an empty group (K grouped) or the rows past the last group: zeros, nothing loaded
+                if k_count > 0:
+                    read_state, release_state = self._mainloop(
+                        ab_pipeline, tiled_mma, acc, tCrA, tCrB, read_state, release_state, k_count,
+                        (sA, sB, tile.k_tail, group_tidx))
+                    warpgroup.wait_group(0)
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                else:
+                    acc.fill(0.0)
+            elif cutlass.const_expr(self.scale_mode == "block"):
                 read_state = self._mainloop_block_scaled(
                     ab_pipeline, tiled_mma, acc, acc_k_tiles, turns, tCrA, tCrB, read_state, k_count, scale_smem,
                     tCcC, row_start, col_start)
@@ -519,7 +612,7 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
                                                            release_state, k_count)
             if cutlass.const_expr(self.pingpong):
                 other_turn.arrive()
-            if cutlass.const_expr(self.scale_mode != "block"):
+            if cutlass.const_expr(self.scale_mode != "block" and self.grouped is None):
                 warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
@@ -535,10 +628,22 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
                                           group_tidx, self.tile_threads)
             if finishes:
                 # ---- epilogue: alpha, bias and activation in fp32 registers, then out
-                self._scale_add_bias(acc, alpha, tCcC, column_values, mScaleA, row_start, mC_mnl.shape, batch_idx)
-                apply_activation(acc, self.activation, prescaled=True)  # _scale_add_bias scaled its input
-                if cutlass.const_expr(self.direct_store):
-                    self._store_direct(acc, tCcC, mC_mnl, row_start, col_start, batch_idx)
+                if cutlass.const_expr(self.grouped is None or self.scale_mode is not None):
+                    self._scale_add_bias(acc, alpha, tCcC, column_values, mScaleA, row_start, mC_mnl.shape, batch_idx)
+                    apply_activation(acc, self.activation, prescaled=True)  # _scale_add_bias scaled its input
+                if cutlass.const_expr(self.grouped is not None and not self.direct_store):
+                    # a tile inside its group (every tile of a group of tile_m rows or more, moved back
+                    # to end at the group's end) through the TMA; a smaller group's rows predicated
+                    if row_start + tile_m <= tile.row_end:
+                        subtiles_done = self._store_tma(tma_store, tma_atom_c, sC, mC_mnl, tile_m_idx, tile_n_idx,
+                                                        row_start, col_start, batch_idx, subtiles_done, group)
+                    else:
+                        self._store_direct(acc, tCcC, mC_gmem, row_start, col_start, batch_idx, tile.row_end)
+                elif cutlass.const_expr(self.gated is not None):
+                    self._store_gated(acc, tCcC, mC_mnl, row_start, col_start, tile.row_end)
+                elif cutlass.const_expr(self.direct_store):
+                    self._store_direct(acc, tCcC, mC_mnl, row_start, col_start, batch_idx,
+                                       tile.row_end if self.grouped is not None else None)
                 else:
                     subtiles_done = self._store_tma(tma_store, tma_atom_c, sC, mC_mnl, tile_m_idx, tile_n_idx,
                                                     row_start, col_start, batch_idx, subtiles_done, group)
@@ -549,15 +654,23 @@ class Sm90Gemm(GemmEpilogue, BlockScaledMainloop):
                 store_pipeline.producer_tail()
 
     @cute.jit
-    def _mainloop(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, read_state, release_state, num_k_tiles):
+    def _mainloop(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, read_state, release_state, num_k_tiles,
+                  k_tail_zeroing=None):
         """acc = this tile's A @ B with one wgmma batch in flight; a stage is released once the
         batch that read it retired. k-tile 0 is peeled: it zero-initializes acc. The last
-        batch is left in flight (the caller waits for it and releases its stage)."""
+        batch is left in flight (the caller waits for it and releases its stage). K grouped
+        (``k_tail_zeroing``): the last k-tile's columns past the group are zeroed first."""
         ab_pipeline.consumer_wait(read_state)
+        if cutlass.const_expr(self.grouped == "k"):
+            if num_k_tiles == 1:
+                zero_k_tail(self, *k_tail_zeroing, read_state.index)
         self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, zero_init=True)
         read_state.advance()
         for k_tile in cutlass.range(1, num_k_tiles, unroll=1):
             ab_pipeline.consumer_wait(read_state)
+            if cutlass.const_expr(self.grouped == "k"):
+                if k_tile == num_k_tiles - 1:
+                    zero_k_tail(self, *k_tail_zeroing, read_state.index)
             self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, zero_init=False)
             warpgroup.wait_group(1)
             ab_pipeline.consumer_release(release_state)
@@ -598,7 +711,20 @@ def build(spec: KernelSpec):
     bias_dtype = _DSL_TYPES[spec.get("bias_dtype", spec["ab"])]
     gemm = Sm90Gemm(ab_dtype, out_dtype, spec["a_major"] == "k", spec["b_major"] == "k", spec["bias"],
                     activation, GemmConfig.from_spec_params(spec), b_dtype, bias_dtype, scale_mode,
-                    spec.get("odd_n", False))
+                    spec.get("odd_n", False), spec.get("grouped"),
+                    (spec["gated"], spec["gate_alpha"], spec["gate_limit"], spec["gate_up"]) if spec.get("gated")
+                    else None)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if gemm.grouped is not None:
+        # rows: a (M, K), b (G, K, N), out (M, N); K grouped: a (M, K), b (K, N), out (G, M, N)
+        b_rank, out_rank = (3, 2) if gemm.grouped == "rows" else (2, 3)
+        groups = cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(), cute.sym_int32()),
+                                               (cute.sym_int64(), 1), assumed_align=4)
+        operands = (fake_operand(ab_dtype, gemm.a_k_major, 2), fake_operand(b_dtype, not gemm.b_k_major, b_rank))
+        tail = (groups, fake_operand(out_dtype, True, out_rank), Int32(1), stream)
+        if scale_mode is not None:  # rowwise: scale_a (M, 1), scale_b (G, 1, N)
+            return gemm.run_grouped_scaled, (*operands, fake_scales("row", 2), fake_scales("row", 3), *tail)
+        return gemm.run_grouped, (*operands, *tail)
     # the caller's torch-order tensors (a (L, M, K), b (L, K, N), out (L, M, N)); the jit function
     # permutes their layouts, so the host passes them as they are. Swapped operands: the kernel's
     # A (dtype ab, majorness a_major) is b^T, its B (dtype b, majorness b_major) a^T
@@ -610,7 +736,6 @@ def build(spec: KernelSpec):
         mA = fake_operand(ab_dtype, gemm.a_k_major, rank)
         mB = fake_operand(b_dtype, not gemm.b_k_major, rank)
     mC = fake_operand(out_dtype, True, rank)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     # stream-K: the workspace (partial sums, flags) trails the arguments
     workspace = ()
     if gemm.stream_k:

@@ -16,7 +16,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common.activation import input_scale
+from ..common.activation import gated_activation, input_scale
 
 
 class TmaStore(NamedTuple):
@@ -183,10 +183,12 @@ class GemmEpilogue:
                 acc[i] = acc[i] * scale
 
     @cute.jit
-    def _store_direct(self, acc, tCcC, mC_mnl, row_start, col_start, batch_idx):
+    def _store_direct(self, acc, tCcC, mC_mnl, row_start, col_start, batch_idx, row_end=None):
         """fp32 (or swapped 16-bit) out: each thread stores its accumulator values, predicated
-        on the M/N tails."""
+        on the M/N tails (``row_end``: a grouped tile's group end instead of M)."""
         num_rows, num_cols = mC_mnl.shape[0], mC_mnl.shape[1]
+        if cutlass.const_expr(row_end is not None):
+            num_rows = row_end
         for i in cutlass.range_constexpr(cute.size(acc)):
             row = row_start + tCcC[i][0]
             col = col_start + tCcC[i][1]
@@ -196,3 +198,19 @@ class GemmEpilogue:
                 else:
                     mC_mnl[row, col, batch_idx] = acc[i].to(self.out_dtype)
 
+
+    @cute.jit
+    def _store_gated(self, acc, tCcC, mC_mnl, row_start, col_start, row_end):
+        """A gate/up tile with interleaved columns (gate even, up odd: the two values of each of
+        this thread's column pairs) through the gated activation; output column ``c / 2`` of
+        each even ``c``, stored predicated on the group's rows and C's columns."""
+        activation, alpha, limit, _ = self.gated
+        num_cols = mC_mnl.shape[1]
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            coord = cute.idx2crd(i, acc.shape)
+            if cutlass.const_expr(coord[0][0] == 0):  # the even column of a pair; i + 1 is its odd one
+                row = row_start + tCcC[i][0]
+                col = (col_start + tCcC[i][1]) // 2
+                if row < row_end and col < num_cols:
+                    value = gated_activation(acc[i], acc[i + 1], activation, alpha, limit)
+                    mC_mnl[row, col, 0] = value.to(self.out_dtype)
