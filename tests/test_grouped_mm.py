@@ -285,6 +285,20 @@ def test_gated_launch_plan(monkeypatch):
     assert launch.spec in host.SM90.shipped()
 
 
+def test_gated_out_rows_must_suit_the_tma_store(monkeypatch):
+    """The gated out has half of b's columns: 264 gate/up columns align, the 132 out columns (264
+    bytes) do not, so no kernel (a compiled MoE step once launched one: an invalid out stride)."""
+    monkeypatch.setattr(host, "get_compiled", lambda spec: lambda *args: None)
+    monkeypatch.setattr(host, "sm_count", lambda index: 132)
+    x, w = torch.randn(150, 136, dtype=torch.bfloat16), torch.randn(4, 264, 136, dtype=torch.bfloat16)
+    b = w.transpose(-2, -1)
+    reason = host.SM90.plan("rows", tuple(x.shape), x.stride(), tuple(b.shape), b.stride(), x.dtype, x.dtype, 4, 0,
+                            gated=("swiglu", 1.702, 7.0, "concat"))
+    assert isinstance(reason, str) and "N=132" in reason
+    assert not isinstance(host.SM90.plan("rows", tuple(x.shape), x.stride(), tuple(b.shape), b.stride(), x.dtype,
+                                         x.dtype, 4, 0), str)
+
+
 # --------------------------------------------------------------------------------------- FP8
 
 def _fp8_case(sizes, k=32, n=16):

@@ -124,6 +124,8 @@ class GroupedGemmHost:
             return reason
         m, n = a_shape[0], b_shape[-1]
         out_shape = (m, n // 2 if gated else n) if mode == "rows" else (groups, m, n)
+        if gated and m > 1 and (n // 2 * out_dtype.itemsize) % TMA_ALIGN_BYTES:  # the gated out's own rows
+            return f"out: rows of N={n // 2} {out_dtype} elements are not a multiple of 16 bytes (TMA store)"
         if mode == "k" and groups > 1 and (m * n * out_dtype.itemsize) % TMA_ALIGN_BYTES:
             return f"out: groups of {m} x {n} {out_dtype} elements are not a multiple of 16 bytes (TMA store)"
         if groups + 2 >= 2**31 // 2 or m + (groups + 1) * 128 >= 2**31:
