@@ -31,3 +31,17 @@ def test_cpu_smoke_run_trains_all_three_ways(tmp_path):
         # float32 on the reference path: the same curve up to reduction order, far inside the tolerance
         assert max(abs(a - b) for a, b in zip(run["losses"], single)) < 1e-3, (name, run["losses"], single)
         assert run["tokens_per_s"] > 0 and run["fallbacks_per_rank"] == [{}, {}]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+def test_context_parallel_bench_smoke_run(tmp_path):
+    """bench/bench_context_parallel.py on two gloo ranks: each rank's part of the output and of
+    the gradients matches the unsplit attention's, no fallback, DIR/context_parallel.json written."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "bench" / "bench_context_parallel.py"), "--cpu", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "context_parallel.json").read_text())
+    assert result["world"] == 2 and len(result["ranks"]) == 2
+    for rank in result["ranks"]:
+        assert rank["fallbacks"] == {} and max(rank["errors"].values()) < 1e-5, rank
