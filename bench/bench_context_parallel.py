@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.bench_distributed import start_ranks  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -66,13 +66,7 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    cuda = not args.cpu and torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dtype = torch.bfloat16 if cuda else torch.float32
+    rank, world, device, dtype, cuda = start_ranks(args.cpu)
 
     import torch_cute_ops as tco
     from torch_cute_ops.distributed import context_parallel_attention, shard_sequence

@@ -122,15 +122,20 @@ def curve_gap(losses: list[float], reference: list[float]) -> float:
     return max(abs(a - b) - (0.03 * abs(b) + 0.05) for a, b in zip(losses, reference))
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    cuda = not args.cpu and torch.cuda.is_available()
+def start_ranks(cpu: bool) -> tuple:
+    """Join the torchrun process group: NCCL on this rank's GPU (bf16), or gloo on the CPU
+    (float32: the reference path). Returns (rank, world, device, dtype, cuda)."""
+    cuda = not cpu and torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dtype = torch.bfloat16 if cuda else torch.float32
+    return dist.get_rank(), dist.get_world_size(), device, torch.bfloat16 if cuda else torch.float32, cuda
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    rank, world, device, dtype, cuda = start_ranks(args.cpu)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
