@@ -211,10 +211,12 @@ def shard_sequence(x: torch.Tensor, group=None, seq_dim: int = 1) -> torch.Tenso
 def unshard_sequence(local: torch.Tensor, group=None, seq_dim: int = 1) -> torch.Tensor:
     """The full tensor from every rank's :func:`shard_sequence` part (differentiable)."""
     import torch.distributed as dist
-    from torch.distributed.nn.functional import all_gather
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd
 
     world = dist.get_world_size(group)
-    parts = all_gather(local.contiguous(), group=group)
+    # one gathered tensor, rank-major along seq_dim; its backward reduce-scatters the gradient
+    gathered = all_gather_tensor_autograd(local.contiguous(), seq_dim, group or dist.group.WORLD)
+    parts = gathered.chunk(world, dim=seq_dim)
     placed = [None] * (2 * world)
     for rank, part in enumerate(parts):
         head, tail = part.chunk(2, dim=seq_dim)
