@@ -4,4 +4,5 @@ Importing this package registers every op; it never imports the CuTe DSL (kernel
 imported on the first CUDA call that can use them).
 """
 
-from . import attention, attention_kvcache, attention_varlen, gemm  # noqa: F401  (registration side effects)
+# registration side effects
+from . import attention, attention_kvcache, attention_paged, attention_varlen, gemm  # noqa: F401

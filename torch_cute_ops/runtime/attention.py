@@ -473,6 +473,22 @@ class FlashFwdLaunch:
                 page_size, *_mask_placeholders(self.device_index), softmax_scale, window_left, window_right,
                 softcap, self.grid, *self._split_args(q))
 
+    def packed_paged(self, q, k_cache, v_cache, cu_seqlens_q, key_info, max_seqlen_q: int, out, lse,
+                     softmax_scale: float, window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
+        """Packed queries q, out (total_q, H_q, D), lse (H_q, total_q) against a KV cache of pages
+        (num_pages, page_size, H_kv, D); ``key_info`` is seqused_k, seqused_q and the page table
+        flattened, concatenated (int32, kernels.common.seqlen "packed_paged"); the plan's variant
+        is packed_paged."""
+        if self._attends_to_nothing(out, lse):
+            return
+        counter = _tile_counter(q.device)
+        rows = k_cache.shape[0] * k_cache.shape[1]
+        k_rows = k_cache.reshape(1, rows, *k_cache.shape[2:])
+        v_rows = v_cache.reshape(1, rows, *v_cache.shape[2:])
+        self.fn(q[None], k_rows, v_rows, out[None], lse[None], counter, cu_seqlens_q, key_info, max_seqlen_q,
+                k_cache.shape[1], *_mask_placeholders(self.device_index), softmax_scale, window_left, window_right,
+                softcap, self.grid, *self._split_args(q[None]))
+
     def ranged(self, q, k, v, key_start, key_end, out, lse, softmax_scale: float, window_left: int = 0,
                window_right: int = 0, softcap: float = 0.0) -> None:
         """q (B, S_q, H_q, D), all real, against entry b's keys [key_start[b], key_end[b]) of k, v
@@ -519,7 +535,7 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     capacity (its keys are not k's extent). ``softcap``: the cap (0: none), which picks the
     variant (:func:`softcap_kind`). Tiles too few to fill the GPU split their keys
     (:func:`num_splits_for`)."""
-    packed = rows == "packed"
+    packed = rows in ("packed", "packed_paged")  # packed_paged: k, v the (pages * page_size, H, D) rows
     if packed:
         q, k, v = q[None], k[None], v[None]
     reason = qkv_coverage_reason("flash_fwd_sm90", q, k, v)

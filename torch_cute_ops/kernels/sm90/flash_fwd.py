@@ -45,7 +45,7 @@ from ..common.flash_common import (
 from ..common.mask import BLOCK_BITS, BLOCK_FULL, KeyRange
 from ..common.softmax import OnlineSoftmax, scale_rows
 from ..common.tile_scheduler import AttentionTileScheduler, TileSource
-from ..common.seqlen import SeqBounds, gqa_rows, load_rows, seq_major, store_rows, zero_rows
+from ..common.seqlen import PACKED_QUERIES, PAGED_KEYS, SeqBounds, gqa_rows, load_rows, seq_major, store_rows, zero_rows
 from ..common.mask_args import mask_fakes
 from ..common.split_kv import SplitKvCombine, split_fakes, store_partial
 from .flash_fwd_mask import ScoreMasks
@@ -92,8 +92,9 @@ class FlashFwdSm90(ScoreMasks):
         assert not bounded_scores or softcap, "only capped scores are bounded"
         # where each batch entry's rows are: dense, packed (varlen) or padded (common.seqlen)
         self.rows = rows
-        self.ragged = rows in ("packed", "padded")  # entries with their own query rows: tiles may be empty
-        self.paged = rows == "kvcache"  # K/V blocks found through a page table
+        # entries with their own query rows: tiles may be empty
+        self.ragged = rows in ("packed", "padded", "packed_paged")
+        self.paged = rows in PAGED_KEYS  # K/V blocks found through a page table
         # PyTorch's attn_mask ("bool" or "add"itive) read where its block summary says partial
         self.attn_mask = attn_mask
         self.masked = attn_mask != "none"
@@ -137,9 +138,10 @@ class FlashFwdSm90(ScoreMasks):
         mLSE: cute.Tensor,  # (B, H_q, S_q) fp32
         mTileCounter: cute.Tensor,  # (1,) int32, zero: the dynamic schedule's claims
         mSeqInfoQ: cute.Tensor,  # int32 row bounds (common.seqlen): packed, cu_seqlens (B + 1,);
-        mSeqInfoK: cute.Tensor,  # padded, the first and one-past-last real key (B,); dense: unread
-        max_seqlen_q: Int32,  # packed: the longest sequences (grid, L2 sections)
-        max_seqlen_k: Int32,
+        mSeqInfoK: cute.Tensor,  # padded, the first and one-past-last real key (B,); dense: unread;
+        #                      kvcache / packed_paged as common.seqlen says
+        max_seqlen_q: Int32,  # packed: the longest sequences (grid, L2 sections); kvcache: pages per entry
+        max_seqlen_k: Int32,  # kvcache, packed_paged: the page size
         mMask: cute.Tensor,  # masked variants: attn_mask (B, H_q, S_q, S_k), any strides, a bool one
         #                      bit-packed (mask_args); else unread
         mMaskBits: cute.Tensor,  # additive variants: the mask's zeros, bit-packed (mask_args); else unread
@@ -164,9 +166,14 @@ class FlashFwdSm90(ScoreMasks):
         mQ, mO, mLSE = self._rows(mQ, 2), self._rows(mO, 2), self._rows(mLSE, 1)
         # packed: B = 1 and S the total; the sequences' bounds come from cu_seqlens
         seqlen_q, seqlen_k, batch = cute.size(mQ, mode=[0]), mK.shape[0], mQ.shape[3]
-        if const_expr(self.rows == "packed"):
+        # kvcache: the page table's row length and the page size come in the max_seqlen slots
+        pages_per_entry, page_size = max_seqlen_q, max_seqlen_k
+        if const_expr(self.rows in PACKED_QUERIES):
             seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
             batch = SeqBounds.num_entries(batch, mSeqInfoQ, self.rows)
+        if const_expr(self.rows == "packed_paged"):  # max_seqlen_k: the page size
+            pages_per_entry = SeqBounds.pages_per_entry(mSeqInfoQ, mSeqInfoK)
+            seqlen_k = pages_per_entry * page_size
 
         q_layout = swizzled_smem_layout(self.dtype, 64, D, self.num_wg)
         k_layout = swizzled_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -224,7 +231,7 @@ class FlashFwdSm90(ScoreMasks):
             mQ if const_expr(self.gathered_rows) else tma_mQ, tma_mK, tma_mV, tma_mO, mO_rows, mLSE_rows,
             mTileCounter, mSeqInfoQ, mSeqInfoK, tiles_batch,
             num_splits,
-            mMask, mMaskBits, mMaskBlocks, mMaskRange, 1.0 / softmax_scale, max_seqlen_q, max_seqlen_k,
+            mMask, mMaskBits, mMaskBlocks, mMaskRange, 1.0 / softmax_scale, pages_per_entry, page_size,
             tma_q, tma_k, tma_v, tma_o,
             tiled_mma_qk, tiled_mma_pv,
             q_layout, k_layout, v_layout,
