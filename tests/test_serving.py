@@ -136,7 +136,7 @@ def _call(step, **changes):
     (lambda s: {"seqused_k": s.seqused_k.clone().fill_(-1)}, "seqused_k: every value"),
     (lambda s: {"cu_seqlens_q": torch.tensor([0, 2, 1, 3], dtype=torch.int32)}, "cu_seqlens_q: must start at 0"),
     (lambda s: {"cu_seqlens_q": torch.tensor([1, 2, 3, 3], dtype=torch.int32)}, "cu_seqlens_q: must start at 0"),
-    (lambda s: {"cu_seqlens_q": torch.tensor([0, 1, 2, 2], dtype=torch.int32)}, "end at 3"),
+    (lambda s: {"cu_seqlens_q": torch.tensor([0, 1, 2, 4], dtype=torch.int32)}, "end at most at 3"),
     (lambda s: {"max_seqlen_q": 0}, "max_seqlen_q = 0"),
     (lambda s: {"seqused_q": torch.tensor([2, 1, 1], dtype=torch.int32)}, "seqused_q: every value"),
 ])

@@ -7,14 +7,17 @@ first ``seqused_k[b]`` (int32 (B,)) keys of a KV cache of pages, k_cache and v_c
 (num_pages, page_size, H_kv, D), entry b's key j in page ``page_table[b, j // page_size]``
 (int32 (B, pages per entry)). Causal and windows align each sequence's real queries bottom-right
 to its keys (the last real query sees the newest key), FlashAttention's semantics. out is
-(total_q, H_q, D), lse (H_q, total_q) float32; rows past a sequence's seqused_q get 0 and lse -inf. Not differentiable (inference).
+(total_q, H_q, D), lse (H_q, total_q) float32; rows past a sequence's seqused_q get 0 and lse -inf;
+rows past ``cu_seqlens_q[-1]`` (a padded batch) belong to no sequence and are not written, as in
+FlashAttention. Not differentiable (inference).
 
 Every value that bounds a kernel's memory access is checked before the launch, on the device
 where it lives and without a host sync (``ops.bounds``; on the host for CPU tensors, with a named
 ValueError), and inside CUDA graphs in every replay: cu_seqlens_q (from 0, non-decreasing, ending
-at total_q, no sequence longer than max_seqlen_q: they place the plain stores of out), seqused_q (within each sequence),
-seqused_k (within the pages of a row of page_table: they bound the page-table reads). Page
-indices only place TMA loads of the cache (zeros past its end): checked eagerly, not in graphs.
+at most at total_q, no sequence longer than max_seqlen_q: they place the plain stores of out),
+seqused_q (within each sequence), seqused_k (within the pages of a row of page_table: they bound
+the page-table reads). Page indices only place TMA loads of the cache (zeros past its end):
+checked eagerly, not in graphs.
 """
 
 from __future__ import annotations
@@ -154,7 +157,8 @@ def _make_plan(key, q, k_cache, v_cache, page_table, causal, local, softcap):
                 v_cache.stride(0) != v_cache.shape[1] * v_cache.stride(1):
             plan = "k_cache/v_cache: the first two dims must be mergeable (rows of a (pages * page_size) view)"
         else:
-            config = host.kvcache_config(q.shape[-1], k_cache.shape[1])
+            # one page per sequence (a contiguous cache): key blocks may run past its end, masked
+            config = host.kvcache_config(q.shape[-1], None if page_table.shape[1] == 1 else k_cache.shape[1])
             rows_view = k_cache.reshape(-1, *k_cache.shape[2:])
             plan = config if isinstance(config, str) else host.plan_fwd(
                 q, rows_view, rows_view, causal, config, local=local, softcap=softcap, rows="packed_paged")

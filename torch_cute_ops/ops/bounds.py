@@ -125,9 +125,10 @@ def lengths_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str) -> None:
-    """A cu_seqlens (B + 1,) whose rows cover a packed tensor of ``total`` rows: from 0,
-    non-decreasing, ending at ``total``, no sequence longer than ``max_seqlen``. On the device
-    without a sync, captured into CUDA graphs (its values place a kernel's plain stores)."""
+    """A cu_seqlens (B + 1,) of a packed tensor of ``total`` rows: from 0, non-decreasing, ending
+    at most at ``total`` (a serving engine's CUDA graph replays a padded batch), no sequence longer
+    than ``max_seqlen``. On the device without a sync, captured into CUDA graphs (its values place
+    a kernel's plain stores)."""
     if not readable(cu):
         return
     capturing = _capturing(cu)
@@ -135,7 +136,7 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, m
     if not capturing and _recorded(cu, bound):
         return
     lengths = lengths_of(cu)
-    ok = torch.cat([cu[:1] == 0, cu[-1:] == total, (lengths >= 0) & (lengths <= max_seqlen)])
-    require(ok, f"{name}: must start at 0, be non-decreasing and end at {total} (the packed length), with no "
-                f"sequence longer than {max_name} = {max_seqlen}", torch.cat([cu[:1], cu[-1:], lengths]))
+    ok = torch.cat([cu[:1] == 0, cu[-1:] <= total, (lengths >= 0) & (lengths <= max_seqlen)])
+    require(ok, f"{name}: must start at 0, be non-decreasing and end at most at {total} (the packed length), "
+                f"with no sequence longer than {max_name} = {max_seqlen}", torch.cat([cu[:1], cu[-1:], lengths]))
     mark_checked(cu, bound)
