@@ -158,10 +158,12 @@ def _make_plan(key, q, k_cache, v_cache, page_table, causal, local, softcap):
             plan = "k_cache/v_cache: the first two dims must be mergeable (rows of a (pages * page_size) view)"
         else:
             # one page per sequence (a contiguous cache): key blocks may run past its end, masked
-            config = host.kvcache_config(q.shape[-1], None if page_table.shape[1] == 1 else k_cache.shape[1])
+            page_size = None if page_table.shape[1] == 1 else k_cache.shape[1]
+            config = host.kvcache_config(q.shape[-1], page_size)
             rows_view = k_cache.reshape(-1, *k_cache.shape[2:])
             plan = config if isinstance(config, str) else host.plan_fwd(
-                q, rows_view, rows_view, causal, config, local=local, softcap=softcap, rows="packed_paged")
+                q, rows_view, rows_view, causal, config, local=local, softcap=softcap, rows="packed_paged",
+                page_rows=host.kvcache_page_rows(page_size))
     return _remember(_plans, key, plan)
 
 

@@ -117,15 +117,18 @@ def kernel_band(causal: bool, window_left, window_right, seqlen_q: int, seqlen_k
 def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
              arch: str = "sm_90a", local: bool = False, softcap: bool = False,
              rows: str = "dense", attn_mask: str = "none", split_kv: bool = False,
-             rows_per_query: int = 1, bounded_scores: bool = False) -> KernelSpec:
+             rows_per_query: int = 1, bounded_scores: bool = False, page_rows: int = 0) -> KernelSpec:
     """``rows_per_query`` > 1: each query token is that many consecutive rows (pack-GQA with
     several tokens), which the causal band counts as one. ``bounded_scores``: capped scores
-    whose softmax needs no running max (:func:`softcap_kind`)."""
+    whose softmax needs no running max (:func:`softcap_kind`). ``page_rows``: a paged cache's
+    page size when smaller than a key tile (:func:`kvcache_page_rows`)."""
     config = config or config_for(head_dim, causal, ragged=rows != "dense" or attn_mask != "none")
     # the config is in the key: a new config recompiles
     extra = {"rows_per_query": rows_per_query} if rows_per_query > 1 else {}
     if bounded_scores:
         extra["bounded_scores"] = True
+    if page_rows:
+        extra["page_rows"] = page_rows
     return KernelSpec.make(FWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
                            softcap=softcap, rows=rows, attn_mask=attn_mask, split_kv=split_kv,
                            config=dataclasses.astuple(config), **extra)
@@ -511,30 +514,44 @@ class FlashFwdLaunch:
                 window_right, softcap, self.grid, *self._split_args(q))
 
 
+# pages smaller than a key tile: each block is loaded as one TMA box per page (a whole number of
+# the 8-row swizzle atoms, so that each box lands on an atom boundary of the tile)
+SMALL_PAGES = (16, 32)
+
+
 def kvcache_config(head_dim: int, page_size: int | None) -> FwdConfig | str:
     """The tiles of a KV-cache variant: key blocks must not straddle pages, so the key tile
-    divides the page size (64 when the default does not); or the reason none fits."""
+    divides the page size (64 when the default does not), or a small page (SMALL_PAGES) divides
+    the key tile, whose block is then a box per page; or the reason none fits."""
     config = config_for(head_dim, False, ragged=True)
     if page_size is None or page_size % config.tile_n == 0:
         return config
     if page_size % 64 == 0:
         return dataclasses.replace(config, tile_n=64)
-    return f"page_size {page_size}: the kernels need a multiple of 64 (or of {config.tile_n})"
+    if page_size in SMALL_PAGES:
+        return dataclasses.replace(config, tile_n=config.tile_n // page_size * page_size)
+    return f"page_size {page_size}: the kernels need 16, 32 or a multiple of 64"
+
+
+def kvcache_page_rows(page_size: int | None) -> int:
+    """The kernel's ``page_rows`` for a paged cache's page size (None: one page per entry): the
+    page size when smaller than every key tile, else 0 (one box per key block)."""
+    return page_size if page_size in SMALL_PAGES else 0
 
 
 def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
              max_ctas: int | None = None, local: bool = False, softcap: float = 0.0,
-             rows: str = "dense", attn_mask: str = "none", keys_per_entry: int | None = None
-             ) -> FlashFwdLaunch | str | None:
+             rows: str = "dense", attn_mask: str = "none", keys_per_entry: int | None = None,
+             page_rows: int = 0) -> FlashFwdLaunch | str | None:
     """The forward launch for this layout and band kind (:func:`kernel_band`), the reason no
     kernel covers it, or None when there is nothing to compute. ``config`` and ``max_ctas``
     override the tiles and the persistent grid (experiments). ``rows``: "dense", "packed"
     (varlen q, k, v (total, H, D), called through :meth:`FlashFwdLaunch.packed`) or "padded"
     (called through :meth:`FlashFwdLaunch.padded`). ``attn_mask``: "none", "bool" or "add"
     (called through :meth:`FlashFwdLaunch.masked`). ``keys_per_entry``: a kvcache entry's
-    capacity (its keys are not k's extent). ``softcap``: the cap (0: none), which picks the
-    variant (:func:`softcap_kind`). Tiles too few to fill the GPU split their keys
-    (:func:`num_splits_for`)."""
+    capacity (its keys are not k's extent); ``page_rows``: its small pages
+    (:func:`kvcache_page_rows`). ``softcap``: the cap (0: none), which picks the variant
+    (:func:`softcap_kind`). Tiles too few to fill the GPU split their keys (:func:`num_splits_for`)."""
     packed = rows in ("packed", "packed_paged")  # packed_paged: k, v the (pages * page_size, H, D) rows
     if packed:
         q, k, v = q[None], k[None], v[None]
@@ -571,7 +588,7 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     capped = softcap_kind(softcap, q.dtype)
     spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=capped != "none",
                     rows=rows, attn_mask=attn_mask, split_kv=splits > 1, rows_per_query=rows_per_query,
-                    bounded_scores=capped == "bounded")
+                    bounded_scores=capped == "bounded", page_rows=page_rows)
     return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid, group, (config.tile_m, config.tile_n),
                           splits)
 

@@ -79,7 +79,7 @@ def _scores_to_p(tOrP, acc_s):
 class FlashFwdSm90(ScoreMasks):
     def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig, local: bool = False,
                  softcap: bool = False, rows: str = "dense", attn_mask: str = "none", split_kv: bool = False,
-                 rows_per_query: int = 1, bounded_scores: bool = False):
+                 rows_per_query: int = 1, bounded_scores: bool = False, page_rows: int = 0):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -95,6 +95,11 @@ class FlashFwdSm90(ScoreMasks):
         # entries with their own query rows: tiles may be empty
         self.ragged = rows in ("packed", "padded", "packed_paged")
         self.paged = rows in PAGED_KEYS  # K/V blocks found through a page table
+        # pages smaller than a key tile (16, 32 rows): each K/V block is tile_n / page_rows TMA boxes
+        # of one page each, into the rows of the same swizzled tile (a multiple of the swizzle
+        # atom's 8 rows, so every box starts on an atom); 0: one box per block
+        self.page_rows = page_rows
+        assert not page_rows or (self.paged and config.tile_n % page_rows == 0 and page_rows % 8 == 0)
         # PyTorch's attn_mask ("bool" or "add"itive) read where its block summary says partial
         self.attn_mask = attn_mask
         self.masked = attn_mask != "none"
@@ -188,12 +193,11 @@ class FlashFwdSm90(ScoreMasks):
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, tma_mQ_src, slab_layout, (64, D))
-        tma_k, tma_mK = cpasync.make_tiled_tma_atom(
-            load_op, mK, cute.select(k_layout, mode=[0, 1]), (self.tile_n, D)
-        )
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(
-            load_op, mV, cute.select(v_layout, mode=[0, 1]), (self.tile_n, D)
-        )
+        k_box, v_box = cute.select(k_layout, mode=[0, 1]), cute.select(v_layout, mode=[0, 1])
+        if const_expr(self.page_rows):  # a box per page: the tile's first page_rows rows
+            k_box, v_box = [cute.composition(box, (self.page_rows, D)) for box in (k_box, v_box)]
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, k_box, (self.page_rows or self.tile_n, D))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, v_box, (self.page_rows or self.tile_n, D))
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), tma_mO_src, slab_layout, (64, D)
         )
@@ -405,17 +409,19 @@ class FlashFwdSm90(ScoreMasks):
             if self.tile_has_rows(m_block, bounds):
                 keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch, split,
                                       splits)
-                # ((TMA atom), rest) views of the smem stages and the gmem tiles
-                gK = cute.local_tile(bounds.k_rows(mK, head_kv, batch), (self.tile_n, D), (None, 0))
-                gV = cute.local_tile(bounds.k_rows(mV, head_kv, batch), (self.tile_n, D), (None, 0))
-                tKsK, tKgK = self._tma_views(tma_k, sK, gK)
-                tVsV, tVgV = self._tma_views(tma_v, sV, gV)
+                # ((TMA atom), rest) views of the smem stages and the gmem tiles (page boxes: per box)
+                tKsK, tKgK, tVsV, tVgV = None, None, None, None
+                if const_expr(not self.page_rows):
+                    gK = cute.local_tile(bounds.k_rows(mK, head_kv, batch), (self.tile_n, D), (None, 0))
+                    gV = cute.local_tile(bounds.k_rows(mV, head_kv, batch), (self.tile_n, D), (None, 0))
+                    tKsK, tKgK = self._tma_views(tma_k, sK, gK)
+                    tVsV, tVgV = self._tma_views(tma_v, sV, gV)
                 n_min, n_max = keys.n_block_min, keys.n_block_max
-                kv_tile = partial(self.kv_tile, bounds=bounds, head_kv=head_kv)
+                load_k = partial(self.load_kv_block, tma_k, tKsK, tKgK, sK, mK, pipe_k, bounds=bounds, head_kv=head_kv)
+                load_v = partial(self.load_kv_block, tma_v, tVsV, tVgV, sV, mV, pipe_v, bounds=bounds, head_kv=head_kv)
                 if n_max > n_min:
                     pipe_k.producer_acquire(kv_state)
-                    cute.copy(tma_k, kv_tile(tKgK, tma_k, sK, mK, n_max - 1), tKsK[None, kv_state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                    load_k(n_max - 1, kv_state)
                 self.load_q(mQ, sQ, tma_q, pipe_q, q_state, m_block, head, batch, bounds)
                 q_state.advance()
                 if n_max > n_min:
@@ -425,14 +431,11 @@ class FlashFwdSm90(ScoreMasks):
                         v_state = kv_state.clone()
                         kv_state.advance()
                         pipe_k.producer_acquire(kv_state)
-                        cute.copy(tma_k, kv_tile(tKgK, tma_k, sK, mK, n - 1), tKsK[None, kv_state.index],
-                                  tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                        load_k(n - 1, kv_state)
                         pipe_v.producer_acquire(v_state)
-                        cute.copy(tma_v, kv_tile(tVgV, tma_v, sV, mV, n), tVsV[None, v_state.index],
-                                  tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                        load_v(n, v_state)
                     pipe_v.producer_acquire(kv_state)
-                    cute.copy(tma_v, kv_tile(tVgV, tma_v, sV, mV, n_min), tVsV[None, kv_state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                    load_v(n_min, kv_state)
                     kv_state.advance()
             tile, tile_state = tile_source.produce_next(tile, tile_state)
 
@@ -469,6 +472,34 @@ class FlashFwdSm90(ScoreMasks):
             _, tXgX = self._tma_views(tma, sX, cute.local_tile(rows, (self.tile_n, self.head_dim), (None, 0)))
             return tXgX[None, 0]
         return tXgX[None, n_block]
+
+    def load_kv_block(self, tma, tXsX, tXgX, sX, mX, pipe, n_block, state, bounds: SeqBounds, head_kv):
+        """Start the TMA load of key block ``n_block`` into the pipeline stage ``state``: one box,
+        or (pages smaller than the block) one box per page (:meth:`load_page_boxes`)."""
+        if self.page_rows:
+            self.load_page_boxes(tma, sX, mX, n_block, state.index, pipe.producer_get_barrier(state), bounds,
+                                 head_kv)
+        else:
+            cute.copy(tma, self.kv_tile(tXgX, tma, sX, mX, n_block, bounds, head_kv), tXsX[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    @cute.jit
+    def load_page_boxes(self, tma, sX, mX, n_block, stage, barrier, bounds: SeqBounds, head_kv):
+        """Key block ``n_block`` as one TMA box per page, each looked up in the page table, all on
+        one barrier. A page wholly past the entry's keys is read from past the cache's end (its
+        table column may not exist): zeros, whose bytes still count towards the transaction."""
+        D = self.head_dim
+        per_block = self.tile_n // self.page_rows
+        boxes = cute.flat_divide(sX, (self.page_rows, D))  # (page_rows, D, boxes, 1, stages)
+        cache = mX[None, None, head_kv, 0]
+        for j in cutlass.range_constexpr(per_block):
+            page = n_block * per_block + j  # the entry's page (the page size is page_rows: no division)
+            row = mX.shape[0]
+            if page * self.page_rows < bounds.seqlen_k:
+                row = bounds.page_table[bounds.page_base + page] * self.page_rows
+            gX = cute.local_tile(cute.domain_offset((row, 0), cache), (self.page_rows, D), (None, 0))
+            tBsX, tBgX = self._tma_views(tma, boxes[None, None, j, 0, None], gX)
+            cute.copy(tma, tBgX[None, 0], tBsX[None, stage], tma_bar_ptr=barrier)
 
     def tile_has_rows(self, m_block, bounds: SeqBounds):
         """Dense tiles always do; a ragged schedule covers the longest entry's blocks."""
@@ -774,7 +805,7 @@ def build(spec: KernelSpec):
     head_dim, causal = spec["head_dim"], spec["causal"]
     kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]), spec["local"], spec["softcap"],
                           spec["rows"], spec["attn_mask"], spec["split_kv"], spec.get("rows_per_query", 1),
-                          spec.get("bounded_scores", False))
+                          spec.get("bounded_scores", False), spec.get("page_rows", 0))
 
     def bhsd(elem):
         # (B, S, H, D), any strides but the last; 16-byte aligned rows for TMA
