@@ -273,6 +273,7 @@ def test_packed_paged_launches(launches, page_size):
     plan.packed_paged(q, k_cache, k_cache, cu_seqlens_q, info, 7, out, lse, 0.1)
     (spec, args), = launches
     assert spec["rows"] == "packed_paged" and spec.get("page_rows", 0) == (16 if page_size == 16 else 0)
+    assert spec["rows_per_query"] == 4 and spec["causal"], "pack-GQA rows, the causal band per token"
     assert torch.equal(info, torch.cat([seqused_k, torch.tensor([1, 1, 7], dtype=torch.int32), page_table.flatten()]))
     _check_agreement(spec, args)
 

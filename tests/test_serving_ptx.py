@@ -37,7 +37,12 @@ def test_small_pages_are_boxes_per_page(variant_ptx):
     assert wgmma[16] == wgmma[32], "the consumer does not depend on the page size"
 
 
-def test_packed_paged_variant_compiles_for_decode_rows(variant_ptx):
-    ptx = _ptx(variant_ptx, 256, head_dim=64)
-    assert "wgmma.mma_async" in ptx and "ld.local" not in ptx
-    assert _tma_loads(ptx) > 0
+def test_packed_paged_pack_gqa_variant(variant_ptx):
+    """What a GQA serving step plans: (token, head) rows gathered with cp.async, one warpgroup,
+    K/V by TMA, no local memory."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    config = flash_host._one_warpgroup_decode(flash_host.kvcache_config(64, 16), 64, 2)
+    spec = flash_host.fwd_spec("bf16", 64, True, config, rows="packed_paged", rows_per_query=8, page_rows=16)
+    ptx = variant_ptx(spec).read_text()
+    assert "wgmma.mma_async" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+    assert "cp.async.cg.shared.global" in ptx and _tma_loads(ptx) > 0

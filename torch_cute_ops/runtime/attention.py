@@ -568,10 +568,13 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     # tiles; one token sees every key (no band), several see the causal band per token
     dense = rows == "dense"
     unmasked = attn_mask == "none"
-    group = (q.shape[2] // k.shape[2] if q.shape[1] <= PACK_GQA_MAX_QUERIES and rows in DECODE_ROWS
+    # a serving step (packed_paged) packs the groups of every sequence, decode rows and prefill
+    # chunks alike: each K/V block is read once per kv head, not once per query head
+    group = (q.shape[2] // k.shape[2] if (q.shape[1] <= PACK_GQA_MAX_QUERIES and rows in DECODE_ROWS
+                                          or rows == "packed_paged")
              and unmasked and not local and k.shape[2] < q.shape[2] else 0)
-    rows_per_query = group if group and q.shape[1] > 1 else 1
-    causal = causal and (not group or q.shape[1] > 1)
+    rows_per_query = group if group and (q.shape[1] > 1 or rows == "packed_paged") else 1
+    causal = causal and (not group or rows_per_query > 1)
     head_dim = q.shape[-1]
     config = config or config_for(head_dim, causal, not packed and k.shape[1] <= SHORT_CAUSAL_KEYS,
                                   not (dense and unmasked))
@@ -585,6 +588,10 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
         splits = num_splits_for(tiles, key_blocks, grid)
         if group and group * q.shape[1] <= 64 and key_blocks <= DECODE_ONE_WARPGROUP_MAX_BLOCKS * splits:
             config = _one_warpgroup_decode(config, head_dim, q.element_size())
+    elif rows == "packed_paged" and group:
+        # 64-row tiles: a decode row fills only its group's rows of a tile, and a second warpgroup
+        # would run its GEMMs on empty rows (the decode rows dominate a serving step's keys)
+        config = _one_warpgroup_decode(config, head_dim, q.element_size())
     capped = softcap_kind(softcap, q.dtype)
     spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=capped != "none",
                     rows=rows, attn_mask=attn_mask, split_kv=splits > 1, rows_per_query=rows_per_query,

@@ -26,7 +26,8 @@ coordinate tensors or plain gmem) and per-query statistics as (S, H, B). The row
   ``"kvcache"``; ``info_k`` is one int32 tensor holding the key lengths (seqused_k, B), the used
   query lengths (seqused_q, B) and the page table flattened (B * pages_per_entry), in that order.
   Entry ``b``'s queries are rows ``[cu_q[b], cu_q[b] + seqused_q[b])``, aligned bottom-right to
-  its ``seqused_k[b]`` keys.
+  its ``seqused_k[b]`` keys; with pack-GQA (``gqa_rows``) its rows are those tokens' (token, head)
+  pairs.
 
 A kernel sees an entry as an (S, D) slab starting at its first real row (a domain offset), so
 tile arithmetic is the dense one. A tile that runs past the entry's end reads rows that are not
@@ -71,7 +72,7 @@ class SeqBounds(DslState):
                       "page_size")
 
     def __init__(self, batch, seqlen_q, seqlen_k, info_q: cute.Tensor = None, info_k: cute.Tensor = None,
-                 rows: str = "dense", pad: int = 128, pages_per_entry=0, page_size=0):
+                 rows: str = "dense", pad: int = 128, pages_per_entry=0, page_size=0, rows_per_query: int = 1):
         assert rows in ROW_LAYOUTS, rows
         self.rows = rows
         self.page_table = info_q
@@ -81,8 +82,10 @@ class SeqBounds(DslState):
             self.seqlen_q, self.seqlen_k = Int32(seqlen_q), info_k[batch]
             self.page_base, self.page_size = batch * pages_per_entry, Int32(page_size)
         elif const_expr(rows == "packed_paged"):
+            # pack-GQA (rows_per_query > 1): query rows are (token, head) pairs (gqa_rows)
             entries = cute.size(info_q.shape[0]) - 1
-            self.offset_q, self.seqlen_q = info_q[batch], info_k[entries + batch]
+            self.offset_q = info_q[batch] * rows_per_query
+            self.seqlen_q = info_k[entries + batch] * rows_per_query
             self.offset_k, self.seqlen_k, self.padded_offset_q = Int32(0), info_k[batch], Int32(0)
             self.page_table = info_k
             self.page_base, self.page_size = 2 * entries + batch * pages_per_entry, Int32(page_size)

@@ -178,7 +178,7 @@ class FlashFwdSm90(ScoreMasks):
             batch = SeqBounds.num_entries(batch, mSeqInfoQ, self.rows)
         if const_expr(self.rows == "packed_paged"):  # max_seqlen_k: the page size
             pages_per_entry = SeqBounds.pages_per_entry(mSeqInfoQ, mSeqInfoK)
-            seqlen_k = pages_per_entry * page_size
+            seqlen_q, seqlen_k = max_seqlen_q * self.rows_per_query, pages_per_entry * page_size
 
         q_layout = swizzled_smem_layout(self.dtype, 64, D, self.num_wg)
         k_layout = swizzled_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -405,7 +405,8 @@ class FlashFwdSm90(ScoreMasks):
             batch, split = self.split_of(slot, splits)
             head_kv = head // q_per_kv
             bounds = SeqBounds(batch, cute.size(mQ, mode=[0]), mK.shape[0], mSeqInfoQ, mSeqInfoK, self.rows,
-                               pages_per_entry=pages_per_entry, page_size=page_size)
+                               pages_per_entry=pages_per_entry, page_size=page_size,
+                               rows_per_query=self.rows_per_query)
             if self.tile_has_rows(m_block, bounds):
                 keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch, split,
                                       splits)
@@ -446,9 +447,11 @@ class FlashFwdSm90(ScoreMasks):
         pipe_q.producer_acquire(q_state)
         if const_expr(self.gathered_rows):
             lane = cute.arch.lane_idx()
+            gQ = mQ[None, None, head, batch]
+            if const_expr(self.rows in PACKED_QUERIES):  # the entry's rows of the packed tokens
+                gQ = bounds.q_rows(mQ, head, batch)
             for w in cutlass.range_constexpr(self.num_wg):
-                load_rows(mQ[None, None, head, batch], sQ[None, None, w], (m_block * self.num_wg + w) * 64,
-                          bounds.seqlen_q, lane, 32)
+                load_rows(gQ, sQ[None, None, w], (m_block * self.num_wg + w) * 64, bounds.seqlen_q, lane, 32)
             cute.arch.cp_async_mbarrier_arrive_noinc(pipe_q.producer_get_barrier(q_state))
         else:
             gQ = cute.local_tile(bounds.q_rows(mQ, head, batch), (64, self.head_dim), (None, 0))
@@ -581,7 +584,8 @@ class FlashFwdSm90(ScoreMasks):
             m_block, head, slot = scheduler.coords(tile)
             batch, split = self.split_of(slot, splits)
             bounds = SeqBounds(batch, seqlen_q, seqlen_k, mSeqInfoQ, mSeqInfoK, self.rows,
-                               pages_per_entry=pages_per_entry, page_size=page_size)
+                               pages_per_entry=pages_per_entry, page_size=page_size,
+                               rows_per_query=self.rows_per_query)
             if self.tile_has_rows(m_block, bounds):
                 keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch, split,
                                       splits)
@@ -779,7 +783,9 @@ class FlashFwdSm90(ScoreMasks):
         cute.copy(thr_store, thr_store.retile(rO), thr_store.partition_D(sO))
         cute.arch.fence_view_async_shared()  # smem writes visible to the TMA unit
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
-        if const_expr(self.ragged):
+        if const_expr(self.ragged and self.gathered_rows):  # packed (token, head) rows: no whole tiles
+            store_rows(sO, bounds.q_rows(mO_rows, head, batch), bounds.seqlen_q - row_start, wg_tidx, 128, row_start)
+        elif const_expr(self.ragged):
             # rows past the entry's end are not its own: plain stores, row by row
             gO = cute.local_tile(bounds.q_rows(mO_rows, head, batch), (64, D), (m_block * self.num_wg + wg, 0))
             store_rows(sO, gO, bounds.seqlen_q - row_start, wg_tidx, 128)
