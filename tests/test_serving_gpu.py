@@ -150,3 +150,15 @@ def test_serving_steps_never_sync():
             calls(step.cu_seqlens_q.clone(), step.seqused_k.clone(), step.page_table.clone())
     torch.cuda.synchronize()
     close("out", output, expected(step, causal=True)[0].cuda())
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_small_pages_in_kvcache_decode(strict_and_poisoned, page_size, seqlen_q):
+    """flash_attn_with_kvcache's decode (pack-GQA rows, split-KV for the long entry) on 16- and
+    32-token pages, a box per page."""
+    step = make_step([seqlen_q] * 3, [5000, 17, 300], page_size, (8, 2), 128, torch.bfloat16, "cuda", 4)
+    q = step.q.view(3, seqlen_q, 8, 128)
+    out = tco.flash_attn_with_kvcache(q, step.k_cache, step.v_cache, cache_seqlens=step.seqused_k,
+                                      page_table=step.page_table, causal=True)
+    close("out", out.view(-1, 8, 128), expected(step, causal=True)[0].cuda())
