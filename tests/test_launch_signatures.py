@@ -269,12 +269,16 @@ def test_packed_paged_launches(launches, page_size):
     plan = flash_host.plan_fwd(q, rows_view, rows_view, True, config, rows="packed_paged",
                                page_rows=flash_host.kvcache_page_rows(page_size))
     out, lse = torch.empty_like(q), torch.empty(32, 9)
-    info = attention_paged.key_info(cu_seqlens_q, None, seqused_k, page_table)
+    info = attention_paged.key_info(cu_seqlens_q, None, seqused_k, page_table, (plan.group, plan.tiles[0]))
     plan.packed_paged(q, k_cache, k_cache, cu_seqlens_q, info, 7, out, lse, 0.1)
     (spec, args), = launches
     assert spec["rows"] == "packed_paged" and spec.get("page_rows", 0) == (16 if page_size == 16 else 0)
     assert spec["rows_per_query"] == 4 and spec["causal"], "pack-GQA rows, the causal band per token"
-    assert torch.equal(info, torch.cat([seqused_k, torch.tensor([1, 1, 7], dtype=torch.int32), page_table.flatten()]))
+    assert plan.tiles[0] == 64, "one warpgroup"
+    # (token, head) rows: 4, 4 and 28 rows of 64-row blocks -> first blocks 0, 1, 2, 3
+    expected = [seqused_k, torch.tensor([1, 1, 7], dtype=torch.int32), page_table.flatten(),
+                torch.tensor([0, 1, 2, 3], dtype=torch.int32)]
+    assert torch.equal(info, torch.cat(expected))
     _check_agreement(spec, args)
 
 

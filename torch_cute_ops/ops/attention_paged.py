@@ -170,19 +170,26 @@ def _make_plan(key, q, k_cache, v_cache, page_table, causal, local, softcap):
 _key_info: dict[tuple, torch.Tensor] = {}  # the last step's (seqused_k, seqused_q, pages) by their versions
 
 
-def key_info(cu_seqlens_q, seqused_q, seqused_k, page_table) -> torch.Tensor:
-    """seqused_k, seqused_q (default: the lengths in cu_seqlens_q) and the page table, in one
-    int32 tensor, as the kernel reads them. The layers of a step share one (by the tensors'
-    versions); inside a CUDA graph it is made in the graph, so replays read the new values."""
+def key_info(cu_seqlens_q, seqused_q, seqused_k, page_table, query_tile: tuple[int, int] = (1, 1)) -> torch.Tensor:
+    """What the kernel reads besides cu_seqlens_q, in one int32 tensor (kernels.common.seqlen,
+    "packed_paged"): seqused_k, seqused_q (default: the lengths in cu_seqlens_q), the page table,
+    and each sequence's first query block in the list of all sequences' blocks of
+    ``query_tile`` = (rows per query, rows per block) (B + 1, the last the total): the kernel
+    schedules those blocks, not max_seqlen_q's count for every sequence. The layers of a step
+    share one (by the tensors' versions); inside a CUDA graph it is made in the graph, so
+    replays read the new values."""
     capturing = seqused_k.is_cuda and torch.cuda.is_current_stream_capturing()
     key = None
     if bounds.readable(seqused_k, seqused_q, page_table) and not capturing:
         key = (bounds.serial(seqused_k), bounds.serial(seqused_q if seqused_q is not None else cu_seqlens_q),
-               bounds.serial(page_table))
+               bounds.serial(page_table), query_tile)
         if key in _key_info:
             return _key_info[key]
     used_q = bounds.lengths_of(cu_seqlens_q) if seqused_q is None else seqused_q
-    info = torch.cat([seqused_k, used_q, page_table.reshape(-1)])
+    rows_per_query, rows_per_block = query_tile
+    blocks = (used_q * rows_per_query + rows_per_block - 1) // rows_per_block
+    first_blocks = torch.cumsum(torch.cat([blocks.new_zeros(1), blocks]), 0, dtype=torch.int32)
+    info = torch.cat([seqused_k, used_q, page_table.reshape(-1), first_blocks])
     if key is not None:
         _key_info.clear()
         _key_info[key] = info
@@ -215,9 +222,10 @@ def flash_attn_varlen_paged_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_q, s
             if seqused_q is not None:  # rows past a sequence's real queries: the kernel never writes them
                 out.zero_()
                 lse.fill_(float("-inf"))
-            plan.packed_paged(q, k_cache, v_cache, bounds.dense(cu_seqlens_q),
-                              key_info(cu_seqlens_q, seqused_q, seqused_k, bounds.dense(page_table)),
-                              int(max_seqlen_q), out, lse, softmax_scale, left, right, softcap)
+            info = key_info(cu_seqlens_q, seqused_q, seqused_k, bounds.dense(page_table),
+                            (max(plan.group, 1), plan.tiles[0]))
+            plan.packed_paged(q, k_cache, v_cache, bounds.dense(cu_seqlens_q), info, int(max_seqlen_q), out, lse,
+                              softmax_scale, left, right, softcap)
             return out, lse
         plan = reason
     if plan != "cpu":

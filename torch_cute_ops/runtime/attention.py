@@ -479,9 +479,9 @@ class FlashFwdLaunch:
     def packed_paged(self, q, k_cache, v_cache, cu_seqlens_q, key_info, max_seqlen_q: int, out, lse,
                      softmax_scale: float, window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
         """Packed queries q, out (total_q, H_q, D), lse (H_q, total_q) against a KV cache of pages
-        (num_pages, page_size, H_kv, D); ``key_info`` is seqused_k, seqused_q and the page table
-        flattened, concatenated (int32, kernels.common.seqlen "packed_paged"); the plan's variant
-        is packed_paged."""
+        (num_pages, page_size, H_kv, D); ``key_info`` is seqused_k, seqused_q, the page table
+        flattened and each sequence's first query block of this plan's tiles, concatenated (int32,
+        kernels.common.seqlen "packed_paged"); the plan's variant is packed_paged."""
         if self._attends_to_nothing(out, lse):
             return
         counter = _tile_counter(q.device)

@@ -24,7 +24,8 @@ coordinate tensors or plain gmem) and per-query statistics as (S, H, B). The row
 * ``"packed_paged"`` (a serving step: decode rows and prefill chunks in one batch): packed queries
   (1, total_q, H, D), ``info_q`` the cu_seqlens_q (B + 1,), against a KV cache of pages as in
   ``"kvcache"``; ``info_k`` is one int32 tensor holding the key lengths (seqused_k, B), the used
-  query lengths (seqused_q, B) and the page table flattened (B * pages_per_entry), in that order.
+  query lengths (seqused_q, B), the page table flattened (B * pages_per_entry) and each entry's
+  first query block in a list of all entries' blocks (B + 1, the last the total), in that order.
   Entry ``b``'s queries are rows ``[cu_q[b], cu_q[b] + seqused_q[b])``, aligned bottom-right to
   its ``seqused_k[b]`` keys; with pack-GQA (``gqa_rows``) its rows are those tokens' (token, head)
   pairs.
@@ -119,7 +120,7 @@ class SeqBounds(DslState):
     def pages_per_entry(cu_seqlens_q: cute.Tensor, info_k: cute.Tensor):
         """packed_paged: the page table's row length, from the sizes of the two info tensors."""
         entries = cute.size(cu_seqlens_q.shape[0]) - 1
-        return (cute.size(info_k.shape[0]) - 2 * entries) // cutlass.max(entries, 1)
+        return (cute.size(info_k.shape[0]) - 3 * entries - 1) // cutlass.max(entries, 1)
 
     def _entry(self, batch):
         return 0 if const_expr(self.rows in PACKED_QUERIES) else batch

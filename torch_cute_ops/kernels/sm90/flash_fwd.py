@@ -223,10 +223,16 @@ class FlashFwdSm90(ScoreMasks):
 
         num_heads = mQ.shape[2]
         num_m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
+        if const_expr(self.rows == "packed_paged"):
+            # tiles are the entries' query blocks, listed one after another (common.seqlen), not
+            # max_seqlen_q's blocks of every entry: a decode row is one block, not a chunk's count
+            num_m_blocks = 1
         heads_per_section = AttentionTileScheduler.heads_per_section_for(
             seqlen_k, 2 * D * self.dtype.width // 8, num_heads * batch, self.l2_kv_mib << 20
         )
         mO_rows, mLSE_rows, tiles_batch = mO, mLSE, batch
+        if const_expr(self.rows == "packed_paged"):  # at most this many blocks: each entry's last may be partial
+            tiles_batch = (cute.size(mQ, mode=[0]) + self.tile_m - 1) // self.tile_m + batch
         if const_expr(self.split_kv):  # (split, batch) pairs take the batch's place in the schedule
             mO_rows, mLSE_rows = self._rows(seq_major(mOpart), 2), self._rows(_select(mLSEpart, [2, 1, 0]), 1)
             tiles_batch = batch * num_splits
@@ -403,6 +409,8 @@ class FlashFwdSm90(ScoreMasks):
         while scheduler.is_valid(tile):
             m_block, head, slot = scheduler.coords(tile)
             batch, split = self.split_of(slot, splits)
+            if const_expr(self.rows == "packed_paged"):
+                m_block, batch = self.entry_block(batch, mSeqInfoQ, mSeqInfoK, pages_per_entry)
             head_kv = head // q_per_kv
             bounds = SeqBounds(batch, cute.size(mQ, mode=[0]), mK.shape[0], mSeqInfoQ, mSeqInfoK, self.rows,
                                pages_per_entry=pages_per_entry, page_size=page_size,
@@ -504,6 +512,22 @@ class FlashFwdSm90(ScoreMasks):
             tBsX, tBgX = self._tma_views(tma, boxes[None, None, j, 0, None], gX)
             cute.copy(tma, tBgX[None, 0], tBsX[None, stage], tma_bar_ptr=barrier)
 
+    @cute.jit
+    def entry_block(self, block, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor, pages_per_entry: Int32):
+        """packed_paged: (m_block, entry) of the scheduled query block ``block``, from the entries'
+        first blocks (common.seqlen), by binary search: the last entry whose first block is at most
+        ``block``. A block past the last entry's is that entry's, past its end (no rows)."""
+        entries = cute.size(mSeqInfoQ.shape[0]) - 1
+        first_blocks = cute.domain_offset((2 * entries + entries * pages_per_entry,), mSeqInfoK)
+        low, high = Int32(0), entries
+        while high - low > 1:
+            middle = (low + high) // 2
+            if first_blocks[middle] <= block:
+                low = middle
+            else:
+                high = middle
+        return block - first_blocks[low], low
+
     def tile_has_rows(self, m_block, bounds: SeqBounds):
         """Dense tiles always do; a ragged schedule covers the longest entry's blocks."""
         if const_expr(self.ragged):
@@ -583,6 +607,8 @@ class FlashFwdSm90(ScoreMasks):
         while scheduler.is_valid(tile):
             m_block, head, slot = scheduler.coords(tile)
             batch, split = self.split_of(slot, splits)
+            if const_expr(self.rows == "packed_paged"):
+                m_block, batch = self.entry_block(batch, mSeqInfoQ, mSeqInfoK, pages_per_entry)
             bounds = SeqBounds(batch, seqlen_q, seqlen_k, mSeqInfoQ, mSeqInfoK, self.rows,
                                pages_per_entry=pages_per_entry, page_size=page_size,
                                rows_per_query=self.rows_per_query)
