@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.bench_decode import load_fa4  # noqa: E402
 from bench.interleave import time_interleaved  # noqa: E402
 
 
@@ -61,15 +62,6 @@ def paged_step(query_lengths, key_lengths, heads_q, heads_kv, head_dim, page_siz
     cu = torch.tensor([0, *itertools.accumulate(query_lengths)], dtype=torch.int32, device="cuda")
     used = torch.tensor(key_lengths, dtype=torch.int32, device="cuda")
     return q, k_cache, v_cache, cu, used, table
-
-
-def load_fa4():
-    try:
-        from flash_attn.cute import flash_attn_varlen_func
-    except ImportError as err:
-        print(f"FlashAttention-4 column skipped: flash_attn.cute not importable ({err})")
-        return None
-    return flash_attn_varlen_func
 
 
 def bench_config(tco, fa4, heads_q, heads_kv, head_dim, page_size, args) -> dict:

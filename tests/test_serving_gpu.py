@@ -4,13 +4,12 @@ replayed across batches of other lengths, and no host sync. Against float64 atte
 bf16 inputs; outputs poisoned with NaN first (deterministic mode fills fresh tensors with NaN),
 and no fallback allowed (strict mode)."""
 
-import contextlib
-
 import pytest
 import torch
 
 from attention_checks import HOPPER, close
 from serving_cases import expected, make_step
+from test_gpu_decode_sync import no_sync
 
 import torch_cute_ops as tco
 
@@ -122,16 +121,6 @@ def test_graph_replays_batches_of_other_lengths(strict_and_poisoned, page_size):
             close("replayed out", out[:rows], expected(batch, causal=True)[0][:rows].cuda())
 
 
-@contextlib.contextmanager
-def _no_sync():
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-
-
 def test_serving_steps_never_sync():
     """After a warm-up, steps with fresh index tensors (new values, checked on the device) run
     without a host synchronization, through both public functions."""
@@ -145,7 +134,7 @@ def test_serving_steps_never_sync():
                                     cu_seqlens_q=cu, max_seqlen_q=step.max_seqlen_q, causal=True)
 
     calls(step.cu_seqlens_q, step.seqused_k, step.page_table)
-    with _no_sync():
+    with no_sync():
         for _ in range(3):
             calls(step.cu_seqlens_q.clone(), step.seqused_k.clone(), step.page_table.clone())
     torch.cuda.synchronize()
