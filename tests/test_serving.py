@@ -203,3 +203,26 @@ def test_values_checked_once_per_version():
     step.seqused_k[0] = 10_000
     with pytest.raises(ValueError, match="seqused_k"):
         _call(step)
+
+
+def test_opcheck_paged_op():
+    """The paged op's schema, fake function and dispatch agree (torch.library.opcheck)."""
+    step = make_step([1, 3, 0], [5, 40, 2], 16)
+    torch.library.opcheck(torch.ops.cute.flash_attn_varlen_paged.default,
+                          (step.q, step.k_cache, step.v_cache, step.cu_seqlens_q, None, step.seqused_k,
+                           step.page_table, 3, 0.125, True))
+    torch.library.opcheck(torch.ops.cute.flash_attn_varlen_paged.default,
+                          (step.q, step.k_cache, step.v_cache, step.cu_seqlens_q, torch.tensor([1, 2, 0]).int(),
+                           step.seqused_k, step.page_table, 3, 0.125, False, 4, 0, 2.0))
+
+
+def test_compiled_serving_step_matches_eager():
+    step = make_step([1, 3, 2], [5, 40, 20], 16)
+
+    def call(q, cu, used, table):
+        return tco.flash_attn_varlen_func(q, step.k_cache, step.v_cache, cu, max_seqlen_q=3, seqused_k=used,
+                                          block_table=table, causal=True)
+
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(step.q, step.cu_seqlens_q, step.seqused_k, step.page_table),
+                               call(step.q, step.cu_seqlens_q, step.seqused_k, step.page_table))
