@@ -280,3 +280,47 @@ def test_sink_launches(launches):
     for spec, args in launches:
         _check_agreement(spec, args)
     assert flash_host.fwd_spec("bf16", 64, True).get("sink") is None  # the plain variants keep their names
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_packed_paged_launches(launches, page_size):
+    """Packed queries (decode rows and a prefill chunk) against a paged cache, through the op:
+    cu_seqlens_q, and seqused_k, seqused_q and the page table in one int32 tensor."""
+    from torch_cute_ops.ops import attention_paged
+
+    q = torch.empty(9, 32, 128, dtype=torch.bfloat16)
+    k_cache = torch.empty(40, page_size, 8, 128, dtype=torch.bfloat16)
+    page_table = torch.randperm(40, dtype=torch.int32)[:36].view(3, 12)
+    cu_seqlens_q = torch.tensor([0, 1, 2, 9], dtype=torch.int32)
+    seqused_k = torch.tensor([100, 0, 7], dtype=torch.int32)
+    config = flash_host.kvcache_config(128, page_size)
+    rows_view = k_cache.reshape(-1, 8, 128)
+    plan = flash_host.plan_fwd(q, rows_view, rows_view, True, config, rows="packed_paged",
+                               page_rows=flash_host.kvcache_page_rows(page_size))
+    out, lse = torch.empty_like(q), torch.empty(32, 9)
+    info = attention_paged.key_info(cu_seqlens_q, None, seqused_k, page_table, (plan.group, plan.tiles[0]))
+    plan.packed_paged(q, k_cache, k_cache, cu_seqlens_q, info, 7, out, lse, 0.1)
+    (spec, args), = launches
+    assert spec["rows"] == "packed_paged" and spec.get("page_rows", 0) == (16 if page_size == 16 else 0)
+    assert spec["rows_per_query"] == 4 and spec["causal"], "pack-GQA rows, the causal band per token"
+    assert plan.tiles[0] == 64, "one warpgroup"
+    # (token, head) rows: 4, 4 and 28 rows of 64-row blocks -> first blocks 0, 1, 2, 3
+    expected = [seqused_k, torch.tensor([1, 1, 7], dtype=torch.int32), page_table.flatten(),
+                torch.tensor([0, 1, 2, 3], dtype=torch.int32)]
+    assert torch.equal(info, torch.cat(expected))
+    _check_agreement(spec, args)
+
+
+def test_small_page_kvcache_launches(launches):
+    """flash_attn_with_kvcache's decode on 16-token pages: a box per page, pack-GQA rows."""
+    q, _, _ = _qkv(batch=2, seqlen_q=1, heads=32, kv_heads=8)
+    k_cache = torch.empty(160, 16, 8, 128, dtype=torch.bfloat16)
+    page_table = torch.randperm(160, dtype=torch.int32).view(2, 80)
+    rows_view = k_cache.reshape(1, -1, 8, 128)
+    plan = flash_host.plan_fwd(q, rows_view, rows_view, True, flash_host.kvcache_config(128, 16), rows="kvcache",
+                               keys_per_entry=80 * 16, page_rows=flash_host.kvcache_page_rows(16))
+    out, lse = _fwd_outputs(q)
+    plan.kvcache(q, k_cache, k_cache, torch.tensor([1000, 77], dtype=torch.int32), page_table, 16, out, lse, 0.1)
+    (spec, args), = launches
+    assert spec["page_rows"] == 16
+    _check_agreement(spec, args)

@@ -1,8 +1,8 @@
 """torch-cute-ops: CuTe DSL kernels for PyTorch, as ``torch.ops.cute`` custom ops.
 
 Ops (``torch.ops.cute``): ``gemm``, ``flash_attn_fwd``, ``flash_attn_bwd``,
-``flash_attn_varlen_fwd``, ``flash_attn_varlen_bwd``, ``flash_attn_kvcache``, ``scaled_gemm``,
-``grouped_mm``, ``grouped_mm_masked``, ``grouped_mm_swiglu``, ``scaled_grouped_mm``.
+``flash_attn_varlen_fwd``, ``flash_attn_varlen_bwd``, ``flash_attn_kvcache``, ``flash_attn_varlen_paged``,
+``scaled_gemm``, ``grouped_mm``, ``grouped_mm_masked``, ``grouped_mm_swiglu``, ``scaled_grouped_mm``.
 Public functions: :func:`gemm`, :func:`linear`, :func:`scaled_mm` (FP8 quantizers and the
 differentiable FP8 linear in :mod:`torch_cute_ops.fp8`), :func:`grouped_mm` (Mixture-of-Experts
 expert GEMMs), :func:`grouped_mm_masked`, :func:`scaled_grouped_mm`, :func:`flash_attn_func`,

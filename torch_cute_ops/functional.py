@@ -8,6 +8,7 @@ import torch
 
 from .ops import attention as _attention
 from .ops import attention_kvcache as _attention_kvcache
+from .ops import attention_paged as _attention_paged
 from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
 from .ops import grouped_gemm as _grouped_gemm
@@ -182,10 +183,13 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                           softmax_scale: float | None = None, causal: bool = False,
+                           cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+                           max_seqlen_k: int | None = None, softmax_scale: float | None = None, causal: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, return_lse: bool = False,
-                           *, deterministic: bool = False, learnable_sink: torch.Tensor | None = None):
+                           *, deterministic: bool = False, learnable_sink: torch.Tensor | None = None,
+                           seqused_q: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None,
+                           page_table: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                           num_splits: int = 0, out: torch.Tensor | None = None, **engine_args):
     """Attention over packed sequences, FlashAttention's varlen API.
 
     q is (total_q, heads, head_dim), k and v (total_k, kv_heads, head_dim); sequence ``b`` owns
@@ -195,19 +199,43 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     ``max_seqlen_k`` are at least the longest lengths. With ``return_lse`` also returns the
     float32 log-sum-exp, shape (heads, total_q). ``deterministic`` and ``learnable_sink`` as in
     :func:`flash_attn_func`.
+
+    A paged KV cache (a serving step, decode rows and prefill chunks in one launch):
+    ``page_table`` (or ``block_table``, vLLM's name; int32 (batch, pages per sequence)) makes
+    k and v the cache, (num_pages, page_size, kv_heads, head_dim); sequence b's keys are its first
+    ``seqused_k[b]`` (int32 (batch,); or the lengths in ``cu_seqlens_k``) through its pages, and
+    only the first ``seqused_q[b]`` of its query rows are real (default: all; the others get 0).
+    Queries align bottom-right to their sequence's keys. Not differentiable. Also accepted, as
+    FlashAttention defines them: ``out`` (the result is written there), ``num_splits`` and
+    ``scheduler_metadata`` (hints: the kernels choose their own schedule), ``s_aux`` (vLLM's
+    name of ``learnable_sink``), ``return_softmax_lse`` (``return_lse``), ``fa_version``
+    (ignored), ``q_descale`` / ``k_descale`` / ``v_descale`` (apply to FP8 inputs only, as in
+    FlashAttention: ignored with 16-bit ones), ``alibi_slopes=None``, ``dropout_p=0.0``.
     """
+    learnable_sink, return_lse = _engine_arguments(engine_args, q, k, learnable_sink, return_lse, num_splits)
+    page_table = _one_of("page_table", page_table, "block_table", block_table)
     softmax_scale = _softmax_scale(softmax_scale, q)
     left, right = _window_bounds(window_size)
+    if page_table is not None or seqused_q is not None or seqused_k is not None:
+        if page_table is None:
+            raise NotImplementedError("seqused_q/seqused_k: supported with a paged cache (page_table) only")
+        if seqused_k is None and cu_seqlens_k is not None:
+            seqused_k = bounds.lengths_of(cu_seqlens_k)
+        out_, lse = _paged(q, k, v, cu_seqlens_q, seqused_q, seqused_k, page_table, max_seqlen_q, softmax_scale,
+                           bool(causal), left, right, float(softcap), learnable_sink)
+        return _give(out_, lse, out, return_lse)
+    if cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
+        raise ValueError("cu_seqlens_k, max_seqlen_q, max_seqlen_k: required without a page_table")
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal),
             left, right, float(softcap))
     if learnable_sink is not None:
         _sinks.validate_sink(learnable_sink, q, 1)
         args += (learnable_sink,)
     if dispatcher_free(q, k, v, cu_seqlens_q, cu_seqlens_k, learnable_sink):
-        out, lse = _attention_varlen.flash_attn_varlen_fwd_impl(*args)
+        out_, lse = _attention_varlen.flash_attn_varlen_fwd_impl(*args)
     else:
-        out, lse = torch.ops.cute.flash_attn_varlen_fwd(*args, deterministic=bool(deterministic))
-    return (out, lse) if return_lse else out
+        out_, lse = torch.ops.cute.flash_attn_varlen_fwd(*args, deterministic=bool(deterministic))
+    return _give(out_, lse, out, return_lse)
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -217,7 +245,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             page_table: torch.Tensor | None = None, softmax_scale: float | None = None,
                             causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             return_lse: bool = False, cache_leftpad: torch.Tensor | None = None,
-                            learnable_sink: torch.Tensor | None = None):
+                            learnable_sink: torch.Tensor | None = None, *,
+                            cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k_new: torch.Tensor | None = None,
+                            max_seqlen_q: int | None = None, num_splits: int = 0, out: torch.Tensor | None = None,
+                            **engine_args):
     """Attention against a KV cache, FlashAttention's API (inference: not differentiable).
 
     q is (batch, seqlen_q, heads, head_dim). The cache is (batch_cache, capacity, kv_heads,
@@ -232,11 +263,26 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     (a left-padded batch), not 0. A contiguous cache may have any strides (a transposed
     (batch, kv_heads, capacity, head_dim) cache, as transformers keeps it, runs on the kernels).
     ``learnable_sink`` as in :func:`flash_attn_func` (the lse returned includes it).
+
+    Packed queries (a serving step: decode rows and prefill chunks together, one launch):
+    ``cu_seqlens_q`` (int32 (batch + 1,)) makes q (total_q, heads, head_dim), sequence b's
+    queries its rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``, with ``max_seqlen_q`` at least
+    the longest; new keys k, v are then packed too, (total_new, kv_heads, head_dim) with
+    ``cu_seqlens_k_new``. The other engine arguments as in :func:`flash_attn_varlen_func`
+    (``sinks``: SGLang's name of ``learnable_sink``).
     """
-    if learnable_sink is not None:
-        _sinks.validate_sink(learnable_sink, q, 2)
+    learnable_sink, return_lse = _engine_arguments(engine_args, q, k_cache, learnable_sink, return_lse, num_splits)
     softmax_scale = _softmax_scale(softmax_scale, q)
     left, right = _window_bounds(window_size)
+    if cu_seqlens_q is not None:
+        out_, lse = _packed_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                                    cache_leftpad, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale,
+                                    bool(causal), left, right, float(softcap), learnable_sink)
+        return _give(out_, lse, out, return_lse)
+    if cu_seqlens_k_new is not None:
+        raise ValueError("cu_seqlens_k_new: packed new keys need packed queries (cu_seqlens_q)")
+    if learnable_sink is not None:
+        _sinks.validate_sink(learnable_sink, q, 2)
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = _uniform_lengths(q, k_cache, v_cache, k, v, cache_batch_idx, page_table, cache_leftpad,
                                          cache_seqlens)
@@ -246,10 +292,99 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         args += (learnable_sink,)
     if dispatcher_free(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad,
                        learnable_sink):
-        out, lse = _attention_kvcache.flash_attn_kvcache_impl(*args)
+        out_, lse = _attention_kvcache.flash_attn_kvcache_impl(*args)
     else:
-        out, lse = torch.ops.cute.flash_attn_kvcache(*args)
-    return (out, lse) if return_lse else out
+        out_, lse = torch.ops.cute.flash_attn_kvcache(*args)
+    return _give(out_, lse, out, return_lse)
+
+
+# serving engines' keyword arguments besides the named ones (vLLM's and SGLang's calls), checked by
+# _engine_arguments: hints, aliases, and what only FP8, ALiBi or dropout would read
+_ENGINE_ARGS = ("scheduler_metadata", "fa_version", "q_descale", "k_descale", "v_descale", "pack_gqa",
+                        "sm_margin", "return_softmax_lse", "s_aux", "sinks", "alibi_slopes", "dropout_p",
+                        "return_attn_probs", "deterministic")
+
+
+def _engine_arguments(args: dict, q, k_cache, learnable_sink, return_lse, num_splits):
+    """Serving engines' extra arguments (vLLM's, SGLang's): (learnable_sink, return_lse) after
+    their aliases; the hints accepted; what would change the result and is not supported named."""
+    unknown = sorted(set(args) - set(_ENGINE_ARGS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(unknown)}")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0: chosen by the kernels), got {num_splits!r}")
+    for name in ("q_descale", "k_descale", "v_descale"):  # FlashAttention applies them to FP8 inputs only
+        if args.get(name) is not None and (q.element_size() == 1 or k_cache.element_size() == 1):
+            raise NotImplementedError(f"{name}: FP8 inputs (and their descales) are not supported")
+    if args.get("alibi_slopes") is not None:
+        raise NotImplementedError("alibi_slopes: ALiBi is not supported")
+    if args.get("dropout_p", 0.0) != 0.0:
+        raise NotImplementedError(f"dropout_p: only 0.0 (no dropout) is supported, got {args['dropout_p']}")
+    if args.get("return_attn_probs"):
+        raise NotImplementedError("return_attn_probs: attention probabilities are not returned")
+    for alias in ("s_aux", "sinks"):
+        learnable_sink = _one_of("learnable_sink", learnable_sink, alias, args.get(alias))
+    return learnable_sink, bool(return_lse or args.get("return_softmax_lse", False))
+
+
+def _one_of(name: str, value, alias: str, alias_value):
+    if value is not None and alias_value is not None:
+        raise ValueError(f"{name}, {alias}: give one (they are the same argument)")
+    return value if value is not None else alias_value
+
+
+def _give(result, lse, out, return_lse: bool):
+    """The result, written into ``out`` when given (FlashAttention's preallocated output)."""
+    if out is not None:
+        if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
+            raise ValueError(f"out: expected a {result.dtype} tensor of shape {tuple(result.shape)} on "
+                             f"{result.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        result = out.copy_(result)
+    return (result, lse) if return_lse else result
+
+
+def _paged(q, k_cache, v_cache, cu_seqlens_q, seqused_q, seqused_k, page_table, max_seqlen_q, softmax_scale,
+           causal, left, right, softcap, learnable_sink):
+    """Packed queries against a paged cache (``cute::flash_attn_varlen_paged``), the sink merged."""
+    if max_seqlen_q is None:
+        raise ValueError("max_seqlen_q: required with packed queries (the longest sequence; it sizes the grid)")
+    if learnable_sink is not None:
+        _sinks.validate_sink(learnable_sink, q, 1)
+    args = (q, k_cache, v_cache, cu_seqlens_q, seqused_q, seqused_k, page_table, max_seqlen_q, softmax_scale, causal,
+            left, right, softcap)
+    if dispatcher_free(q, k_cache, v_cache, cu_seqlens_q, seqused_q, seqused_k, page_table):
+        out, lse = _attention_paged.flash_attn_varlen_paged_impl(*args)
+    else:
+        out, lse = torch.ops.cute.flash_attn_varlen_paged(*args)
+    if learnable_sink is not None:
+        out, lse = _sinks.merge(out, lse, learnable_sink, packed=True)
+    return out, lse
+
+
+def _packed_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad,
+                    cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, left, right, softcap,
+                    learnable_sink):
+    """flash_attn_with_kvcache with packed queries: new keys appended, then the paged op (a
+    contiguous cache is one page per entry)."""
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad: not supported with packed queries (cu_seqlens_q)")
+    if page_table is not None and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx: not supported with page_table (the page table maps entries)")
+    batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q.dim() == 1 else -1
+    if page_table is None:
+        if k_cache.dim() != 4:
+            checks.require_rank("k_cache", k_cache, (4,), "(batch_cache, capacity, kv_heads, head_dim)")
+        rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(
+            batch, dtype=torch.int32, device=q.device)
+        page_table = rows.reshape(-1, 1)  # one page, the whole capacity, per entry
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise ValueError("cache_seqlens: expected an int32 tensor (batch,) with packed queries")
+    seqused_k = cache_seqlens
+    if k is not None or v is not None:
+        seqused_k = _attention_paged.append_packed(k_cache, v_cache, k, v, cache_seqlens, cu_seqlens_k_new,
+                                                   page_table)
+    return _paged(q, k_cache, v_cache, cu_seqlens_q, None, seqused_k, page_table, max_seqlen_q, softmax_scale,
+                  causal, left, right, softcap, learnable_sink)
 
 
 def _softmax_scale(softmax_scale, q: torch.Tensor) -> float:

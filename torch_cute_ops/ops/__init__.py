@@ -5,4 +5,5 @@ imported on the first CUDA call that can use them).
 """
 
 # (registration side effects)
-from . import attention, attention_kvcache, attention_varlen, gemm, grouped_gemm, scaled_grouped_gemm  # noqa: F401
+from . import (attention, attention_kvcache, attention_paged, attention_varlen, gemm, grouped_gemm,  # noqa: F401
+               scaled_grouped_gemm)

@@ -32,6 +32,7 @@ from ..runtime.lasting import lasting
 from . import bounds, checks, dispatch, fallback, sinks
 from .attention import (_remember, _validate_softcap, keys_key, layout_key, positive_scale, validate_qkv_common,
                         validate_scale)
+from .attention_paged import unverified_reason
 from .schemas import lib, qualname, register_impl
 
 _LAYOUT = "(batch, seqlen, heads, head_dim)"
@@ -182,11 +183,15 @@ def _make_plan(key, q, k_cache, v_cache, page_table, cache_batch_idx, cache_left
             plan = ("k_cache/v_cache: the first two dims must be mergeable (rows of a (pages * page_size) view) "
                     "with page_table or cache_batch_idx")
         else:
-            config = host.kvcache_config(q.shape[-1], None if page_table is None else k_cache.shape[1])
+            page_size = None if page_table is None else k_cache.shape[1]
+            config = host.kvcache_config(q.shape[-1], page_size)
+            if host.kvcache_page_rows(page_size) and not isinstance(config, str):
+                config = unverified_reason("flash_attn_kvcache") or config  # pages of 16 or 32
             rows_view = k_cache.reshape(1, -1, *k_cache.shape[2:])
             plan = config if isinstance(config, str) else host.plan_fwd(
                 q, rows_view, rows_view, causal, config, local=local, softcap=softcap, rows="kvcache",
-                keys_per_entry=_capacity(k_cache, page_table), sink=sink)
+                keys_per_entry=_capacity(k_cache, page_table), sink=sink,
+                page_rows=host.kvcache_page_rows(page_size))
         if plan is not None and not isinstance(plan, str):
             plan = ("ranged" if ranged else "paged", plan)
     return _remember(_plans, key, plan)

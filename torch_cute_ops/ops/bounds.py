@@ -125,3 +125,29 @@ def mark_within(t: torch.Tensor, low: int, high, offset: int = 0) -> None:
 def dense(t: torch.Tensor | None) -> torch.Tensor | None:
     """An index tensor as the kernels read it: contiguous int32 (a strided view is copied)."""
     return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def lengths_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The sequence lengths ``cu[b + 1] - cu[b]`` of a cu_seqlens tensor (one per version; made
+    afresh inside a CUDA graph capture, so that replays read the new values)."""
+    if not readable(cu_seqlens) or _capturing(cu_seqlens):
+        return cu_seqlens[1:] - cu_seqlens[:-1]
+    return _records.get(cu_seqlens, "lengths", lambda: cu_seqlens[1:] - cu_seqlens[:-1])
+
+
+def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str) -> None:
+    """A cu_seqlens (B + 1,) of a packed tensor of ``total`` rows: from 0, non-decreasing, ending
+    at most at ``total`` (a serving engine's CUDA graph replays a padded batch), no sequence longer
+    than ``max_seqlen``. On the device without a sync, captured into CUDA graphs (its values place
+    a kernel's plain stores)."""
+    if not readable(cu):
+        return
+    capturing = _capturing(cu)
+    bound = ("cu_seqlens", total, max_seqlen)
+    if not capturing and _recorded(cu, bound):
+        return
+    lengths = lengths_of(cu)
+    ok = torch.cat([cu[:1] == 0, cu[-1:] <= total, (lengths >= 0) & (lengths <= max_seqlen)])
+    require(ok, f"{name}: must start at 0, be non-decreasing and end at most at {total} (the packed length), "
+                f"with no sequence longer than {max_name} = {max_seqlen}", torch.cat([cu[:1], cu[-1:], lengths]))
+    mark_checked(cu, bound)

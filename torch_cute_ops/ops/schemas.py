@@ -37,6 +37,10 @@ SCHEMAS = {
                           "float softmax_scale, bool causal, SymInt? window_left=None, SymInt? window_right=None, "
                           "float softcap=0.0, Tensor? cache_leftpad=None, Tensor? learnable_sink=None) "
                           "-> (Tensor out, Tensor lse)",
+    "flash_attn_varlen_paged": "flash_attn_varlen_paged(Tensor q, Tensor k_cache, Tensor v_cache, "
+                               "Tensor cu_seqlens_q, Tensor? seqused_q, Tensor seqused_k, Tensor page_table, "
+                               "SymInt max_seqlen_q, float softmax_scale, bool causal, SymInt? window_left=None, "
+                               "SymInt? window_right=None, float softcap=0.0) -> (Tensor out, Tensor lse)",
     "scaled_gemm": "scaled_gemm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias=None, "
                    "ScalarType? out_dtype=None, str? activation=None) -> Tensor",
     "grouped_mm": "grouped_mm(Tensor mat_a, Tensor mat_b, Tensor? offs=None, Tensor? bias=None, "

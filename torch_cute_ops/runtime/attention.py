@@ -117,11 +117,13 @@ def kernel_band(causal: bool, window_left, window_right, seqlen_q: int, seqlen_k
 def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None = None,
              arch: str = "sm_90a", local: bool = False, softcap: bool = False,
              rows: str = "dense", attn_mask: str = "none", split_kv: bool = False,
-             rows_per_query: int = 1, bounded_scores: bool = False, sink: bool = False) -> KernelSpec:
+             rows_per_query: int = 1, bounded_scores: bool = False, sink: bool = False,
+             page_rows: int = 0) -> KernelSpec:
     """``rows_per_query`` > 1: each query token is that many consecutive rows (pack-GQA with
     several tokens), which the causal band counts as one. ``bounded_scores``: capped scores
     whose softmax needs no running max (:func:`softcap_kind`). ``sink``: attention sinks joined
-    at the softmax finalize (split variants: at the combine)."""
+    at the softmax finalize (split variants: at the combine). ``page_rows``: a paged cache's
+    page size when smaller than a key tile (:func:`kvcache_page_rows`)."""
     config = config or config_for(head_dim, causal, ragged=rows != "dense" or attn_mask != "none")
     # the config is in the key: a new config recompiles
     extra = {"rows_per_query": rows_per_query} if rows_per_query > 1 else {}
@@ -129,6 +131,8 @@ def fwd_spec(dtype: str, head_dim: int, causal: bool, config: FwdConfig | None =
         extra["bounded_scores"] = True
     if sink:  # a flag of its own: the variants without keep their names
         extra["sink"] = True
+    if page_rows:
+        extra["page_rows"] = page_rows
     return KernelSpec.make(FWD_FAMILY, arch, dtype=dtype, head_dim=head_dim, causal=causal, local=local,
                            softcap=softcap, rows=rows, attn_mask=attn_mask, split_kv=split_kv,
                            config=dataclasses.astuple(config), **extra)
@@ -503,6 +507,23 @@ class FlashFwdLaunch:
                 page_size, *_mask_placeholders(self.device_index), softmax_scale, window_left, window_right,
                 softcap, self.grid, *self._split_args(q), self._sink_arg(sink, lse, q))
 
+    def packed_paged(self, q, k_cache, v_cache, cu_seqlens_q, key_info, max_seqlen_q: int, out, lse,
+                     softmax_scale: float, window_left: int = 0, window_right: int = 0, softcap: float = 0.0) -> None:
+        """Packed queries q, out (total_q, H_q, D), lse (H_q, total_q) against a KV cache of pages
+        (num_pages, page_size, H_kv, D); ``key_info`` is seqused_k, seqused_q, the page table
+        flattened and each sequence's first query block of this plan's tiles, concatenated (int32,
+        kernels.common.seqlen "packed_paged"); the plan's variant is packed_paged. Its sinks are
+        merged after the launch by the op (ops/sinks.py)."""
+        if self._attends_to_nothing(out, lse):
+            return
+        counter = _tile_counter(q.device)
+        rows = k_cache.shape[0] * k_cache.shape[1]
+        k_rows = k_cache.reshape(1, rows, *k_cache.shape[2:])
+        v_rows = v_cache.reshape(1, rows, *v_cache.shape[2:])
+        self.fn(q[None], k_rows, v_rows, out[None], lse[None], counter, cu_seqlens_q, key_info, max_seqlen_q,
+                k_cache.shape[1], *_mask_placeholders(self.device_index), softmax_scale, window_left, window_right,
+                softcap, self.grid, *self._split_args(q[None]), self._sink_arg(None, lse[None], q[None]))
+
     def ranged(self, q, k, v, key_start, key_end, out, lse, softmax_scale: float, window_left: int = 0,
                window_right: int = 0, softcap: float = 0.0, sink=None) -> None:
         """q (B, S_q, H_q, D), all real, against entry b's keys [key_start[b], key_end[b]) of k, v
@@ -527,31 +548,46 @@ class FlashFwdLaunch:
                 window_right, softcap, self.grid, *self._split_args(q), self._sink_arg(sink, lse[None], q))
 
 
+# pages smaller than a key tile: each block is loaded as one TMA box per page (a whole number of
+# the 8-row swizzle atoms, so that each box lands on an atom boundary of the tile)
+SMALL_PAGES = (16, 32)
+
+
 def kvcache_config(head_dim: int, page_size: int | None) -> FwdConfig | str:
     """The tiles of a KV-cache variant: key blocks must not straddle pages, so the key tile
-    divides the page size (64 when the default does not); or the reason none fits."""
+    divides the page size (64 when the default does not), or a small page (SMALL_PAGES) divides
+    the key tile, whose block is then a box per page; or the reason none fits."""
     config = config_for(head_dim, False, ragged=True)
     if page_size is None or page_size % config.tile_n == 0:
         return config
     if page_size % 64 == 0:
         return dataclasses.replace(config, tile_n=64)
-    return f"page_size {page_size}: the kernels need a multiple of 64 (or of {config.tile_n})"
+    if page_size in SMALL_PAGES:
+        return dataclasses.replace(config, tile_n=config.tile_n // page_size * page_size)
+    return f"page_size {page_size}: the kernels need 16, 32 or a multiple of 64"
+
+
+def kvcache_page_rows(page_size: int | None) -> int:
+    """The kernel's ``page_rows`` for a paged cache's page size (None: one page per entry): the
+    page size when smaller than every key tile, else 0 (one box per key block)."""
+    return page_size if page_size in SMALL_PAGES else 0
 
 
 def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
              max_ctas: int | None = None, local: bool = False, softcap: float = 0.0,
              rows: str = "dense", attn_mask: str = "none", keys_per_entry: int | None = None,
-             sink: bool = False) -> FlashFwdLaunch | str | None:
+             sink: bool = False, page_rows: int = 0) -> FlashFwdLaunch | str | None:
     """The forward launch for this layout and band kind (:func:`kernel_band`), the reason no
     kernel covers it, or None when there is nothing to compute. ``config`` and ``max_ctas``
     override the tiles and the persistent grid (experiments). ``rows``: "dense", "packed"
     (varlen q, k, v (total, H, D), called through :meth:`FlashFwdLaunch.packed`) or "padded"
     (called through :meth:`FlashFwdLaunch.padded`). ``attn_mask``: "none", "bool" or "add"
     (called through :meth:`FlashFwdLaunch.masked`). ``keys_per_entry``: a kvcache entry's
-    capacity (its keys are not k's extent). ``softcap``: the cap (0: none), which picks the
-    variant (:func:`softcap_kind`). Tiles too few to fill the GPU split their keys
+    capacity (its keys are not k's extent); ``page_rows``: its small pages
+    (:func:`kvcache_page_rows`). ``softcap``: the cap (0: none), which picks the variant
+    (:func:`softcap_kind`). Tiles too few to fill the GPU split their keys
     (:func:`num_splits_for`). ``sink``: a variant with attention sinks (launched with ``sink=``)."""
-    packed = rows == "packed"
+    packed = rows in ("packed", "packed_paged")  # packed_paged: k, v the (pages * page_size, H, D) rows
     if packed:
         q, k, v = q[None], k[None], v[None]
     reason = qkv_coverage_reason("flash_fwd_sm90", q, k, v)
@@ -567,10 +603,13 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
     # tiles; one token sees every key (no band), several see the causal band per token
     dense = rows == "dense"
     unmasked = attn_mask == "none"
-    group = (q.shape[2] // k.shape[2] if q.shape[1] <= PACK_GQA_MAX_QUERIES and rows in DECODE_ROWS
+    # a serving step (packed_paged) packs the groups of every sequence, decode rows and prefill
+    # chunks alike: each K/V block is read once per kv head, not once per query head
+    group = (q.shape[2] // k.shape[2] if (q.shape[1] <= PACK_GQA_MAX_QUERIES and rows in DECODE_ROWS
+                                          or rows == "packed_paged")
              and unmasked and not local and k.shape[2] < q.shape[2] else 0)
-    rows_per_query = group if group and q.shape[1] > 1 else 1
-    causal = causal and (not group or q.shape[1] > 1)
+    rows_per_query = group if group and (q.shape[1] > 1 or rows == "packed_paged") else 1
+    causal = causal and (not group or rows_per_query > 1)
     head_dim = q.shape[-1]
     config = config or config_for(head_dim, causal, not packed and k.shape[1] <= SHORT_CAUSAL_KEYS,
                                   not (dense and unmasked))
@@ -584,10 +623,14 @@ def plan_fwd(q, k, v, causal: bool, config: FwdConfig | None = None,
         splits = num_splits_for(tiles, key_blocks, grid)
         if group and group * q.shape[1] <= 64 and key_blocks <= DECODE_ONE_WARPGROUP_MAX_BLOCKS * splits:
             config = _one_warpgroup_decode(config, head_dim, q.element_size())
+    elif rows == "packed_paged" and group:
+        # 64-row tiles: a decode row fills only its group's rows of a tile, and a second warpgroup
+        # would run its GEMMs on empty rows (the decode rows dominate a serving step's keys)
+        config = _one_warpgroup_decode(config, head_dim, q.element_size())
     capped = softcap_kind(softcap, q.dtype)
     spec = fwd_spec(DTYPE_NAMES[q.dtype], head_dim, causal, config, local=local, softcap=capped != "none",
                     rows=rows, attn_mask=attn_mask, split_kv=splits > 1, rows_per_query=rows_per_query,
-                    bounded_scores=capped == "bounded", sink=sink)
+                    bounded_scores=capped == "bounded", sink=sink, page_rows=page_rows)
     return FlashFwdLaunch(spec, config.dynamic_schedule, device_index, grid, group, (config.tile_m, config.tile_n),
                           splits)
 

@@ -20,7 +20,15 @@ coordinate tensors or plain gmem) and per-query statistics as (S, H, B). The row
   ``info_k`` the key lengths (B,); entry ``b``'s key ``j`` is row ``page_table[b, j // page_size]
   * page_size + j % page_size`` (a contiguous cache is one page per entry). Queries align with
   the entry's keys bottom-right. Key blocks never straddle pages (page_size % tile_n == 0, or one
-  page per entry, whose blocks past the end are masked).
+  page per entry, whose blocks past the end are masked);
+* ``"packed_paged"`` (a serving step: decode rows and prefill chunks in one batch): packed queries
+  (1, total_q, H, D), ``info_q`` the cu_seqlens_q (B + 1,), against a KV cache of pages as in
+  ``"kvcache"``; ``info_k`` is one int32 tensor holding the key lengths (seqused_k, B), the used
+  query lengths (seqused_q, B), the page table flattened (B * pages_per_entry) and each entry's
+  first query block in a list of all entries' blocks (B + 1, the last the total), in that order.
+  Entry ``b``'s queries are rows ``[cu_q[b], cu_q[b] + seqused_q[b])``, aligned bottom-right to
+  its ``seqused_k[b]`` keys; with pack-GQA (``gqa_rows``) its rows are those tokens' (token, head)
+  pairs.
 
 A kernel sees an entry as an (S, D) slab starting at its first real row (a domain offset), so
 tile arithmetic is the dense one. A tile that runs past the entry's end reads rows that are not
@@ -44,7 +52,11 @@ from cutlass.cute.nvgpu import LoadCacheMode, cpasync
 from .dsl_state import DslState
 
 
-ROW_LAYOUTS = ("dense", "packed", "padded", "ranged", "kvcache")
+ROW_LAYOUTS = ("dense", "packed", "padded", "ranged", "kvcache", "packed_paged")
+# packed queries: B = 1 and the entries' rows found through cu_seqlens_q
+PACKED_QUERIES = ("packed", "packed_paged")
+# keys found through a page table
+PAGED_KEYS = ("kvcache", "packed_paged")
 
 
 def seq_major(m: cute.Tensor) -> cute.Tensor:
@@ -61,7 +73,7 @@ class SeqBounds(DslState):
                       "page_size")
 
     def __init__(self, batch, seqlen_q, seqlen_k, info_q: cute.Tensor = None, info_k: cute.Tensor = None,
-                 rows: str = "dense", pad: int = 128, pages_per_entry=0, page_size=0):
+                 rows: str = "dense", pad: int = 128, pages_per_entry=0, page_size=0, rows_per_query: int = 1):
         assert rows in ROW_LAYOUTS, rows
         self.rows = rows
         self.page_table = info_q
@@ -70,6 +82,14 @@ class SeqBounds(DslState):
             self.offset_q, self.offset_k, self.padded_offset_q = Int32(0), Int32(0), Int32(0)
             self.seqlen_q, self.seqlen_k = Int32(seqlen_q), info_k[batch]
             self.page_base, self.page_size = batch * pages_per_entry, Int32(page_size)
+        elif const_expr(rows == "packed_paged"):
+            # pack-GQA (rows_per_query > 1): query rows are (token, head) pairs (gqa_rows)
+            entries = cute.size(info_q.shape[0]) - 1
+            self.offset_q = info_q[batch] * rows_per_query
+            self.seqlen_q = info_k[entries + batch] * rows_per_query
+            self.offset_k, self.seqlen_k, self.padded_offset_q = Int32(0), info_k[batch], Int32(0)
+            self.page_table = info_k
+            self.page_base, self.page_size = 2 * entries + batch * pages_per_entry, Int32(page_size)
         elif const_expr(rows == "packed"):
             self.offset_q = info_q[batch]
             self.seqlen_q = info_q[batch + 1] - self.offset_q
@@ -94,13 +114,19 @@ class SeqBounds(DslState):
 
     @staticmethod
     def num_entries(dense_batch, cu_seqlens_q: cute.Tensor, rows: str):
-        return cute.size(cu_seqlens_q.shape[0]) - 1 if const_expr(rows == "packed") else dense_batch
+        return cute.size(cu_seqlens_q.shape[0]) - 1 if const_expr(rows in PACKED_QUERIES) else dense_batch
+
+    @staticmethod
+    def pages_per_entry(cu_seqlens_q: cute.Tensor, info_k: cute.Tensor):
+        """packed_paged: the page table's row length, from the sizes of the two info tensors."""
+        entries = cute.size(cu_seqlens_q.shape[0]) - 1
+        return (cute.size(info_k.shape[0]) - 3 * entries - 1) // cutlass.max(entries, 1)
 
     def _entry(self, batch):
-        return 0 if const_expr(self.rows == "packed") else batch
+        return 0 if const_expr(self.rows in PACKED_QUERIES) else batch
 
     def key_row(self, key):
-        """kvcache: the cache row of this entry's key ``key`` (through its page)."""
+        """kvcache, packed_paged: the cache row of this entry's key ``key`` (through its page)."""
         page = self.page_table[self.page_base + key // self.page_size]
         return page * self.page_size + key % self.page_size
 
@@ -116,7 +142,7 @@ class SeqBounds(DslState):
     def k_rows(self, m: cute.Tensor, head, batch) -> cute.Tensor:
         """The (S_k, D) slab of a k-like (S, D, H, B) tensor (k, v, dk, dv); kvcache: the whole
         cache (blocks are found through :meth:`key_row`)."""
-        if const_expr(self.rows == "kvcache"):
+        if const_expr(self.rows in PAGED_KEYS):
             return m[None, None, head, 0]
         return self._slab(m, self.offset_k, head, batch)
 

@@ -45,7 +45,7 @@ from ..common.flash_common import (
 from ..common.mask import BLOCK_BITS, BLOCK_FULL, KeyRange
 from ..common.softmax import OnlineSoftmax, scale_rows
 from ..common.tile_scheduler import AttentionTileScheduler, TileSource
-from ..common.seqlen import SeqBounds, gqa_rows, load_rows, seq_major, store_rows, zero_rows
+from ..common.seqlen import PACKED_QUERIES, PAGED_KEYS, SeqBounds, gqa_rows, load_rows, seq_major, store_rows, zero_rows
 from ..common.mask_args import mask_fakes
 from ..common.split_kv import SplitKvCombine, split_fakes, store_partial
 from .flash_fwd_mask import ScoreMasks
@@ -79,7 +79,8 @@ def _scores_to_p(tOrP, acc_s):
 class FlashFwdSm90(ScoreMasks):
     def __init__(self, dtype, head_dim: int, causal: bool, config: FwdConfig, local: bool = False,
                  softcap: bool = False, rows: str = "dense", attn_mask: str = "none", split_kv: bool = False,
-                 rows_per_query: int = 1, bounded_scores: bool = False, sink: bool = False):
+                 rows_per_query: int = 1, bounded_scores: bool = False, sink: bool = False,
+                 page_rows: int = 0):
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -92,8 +93,14 @@ class FlashFwdSm90(ScoreMasks):
         assert not bounded_scores or softcap, "only capped scores are bounded"
         # where each batch entry's rows are: dense, packed (varlen) or padded (common.seqlen)
         self.rows = rows
-        self.ragged = rows in ("packed", "padded")  # entries with their own query rows: tiles may be empty
-        self.paged = rows == "kvcache"  # K/V blocks found through a page table
+        # entries with their own query rows: tiles may be empty
+        self.ragged = rows in ("packed", "padded", "packed_paged")
+        self.paged = rows in PAGED_KEYS  # K/V blocks found through a page table
+        # pages smaller than a key tile (16, 32 rows): each K/V block is tile_n / page_rows TMA boxes
+        # of one page each, into the rows of the same swizzled tile (a multiple of the swizzle
+        # atom's 8 rows, so every box starts on an atom); 0: one box per block
+        self.page_rows = page_rows
+        assert not page_rows or (self.paged and config.tile_n % page_rows == 0 and page_rows % 8 == 0)
         # PyTorch's attn_mask ("bool" or "add"itive) read where its block summary says partial
         self.attn_mask = attn_mask
         self.masked = attn_mask != "none"
@@ -140,9 +147,10 @@ class FlashFwdSm90(ScoreMasks):
         mLSE: cute.Tensor,  # (B, H_q, S_q) fp32
         mTileCounter: cute.Tensor,  # (1,) int32, zero: the dynamic schedule's claims
         mSeqInfoQ: cute.Tensor,  # int32 row bounds (common.seqlen): packed, cu_seqlens (B + 1,);
-        mSeqInfoK: cute.Tensor,  # padded, the first and one-past-last real key (B,); dense: unread
-        max_seqlen_q: Int32,  # packed: the longest sequences (grid, L2 sections)
-        max_seqlen_k: Int32,
+        mSeqInfoK: cute.Tensor,  # padded, the first and one-past-last real key (B,); dense: unread;
+        #                      kvcache / packed_paged as common.seqlen says
+        max_seqlen_q: Int32,  # packed: the longest sequences (grid, L2 sections); kvcache: pages per entry
+        max_seqlen_k: Int32,  # kvcache, packed_paged: the page size
         mMask: cute.Tensor,  # masked variants: attn_mask (B, H_q, S_q, S_k), any strides, a bool one
         #                      bit-packed (mask_args); else unread
         mMaskBits: cute.Tensor,  # additive variants: the mask's zeros, bit-packed (mask_args); else unread
@@ -170,9 +178,14 @@ class FlashFwdSm90(ScoreMasks):
         mQ, mO, mLSE, mSink = self._rows(mQ, 2), self._rows(mO, 2), self._rows(mLSE, 1), self._rows(mSink, 1)
         # packed: B = 1 and S the total; the sequences' bounds come from cu_seqlens
         seqlen_q, seqlen_k, batch = cute.size(mQ, mode=[0]), mK.shape[0], mQ.shape[3]
-        if const_expr(self.rows == "packed"):
+        # kvcache: the page table's row length and the page size come in the max_seqlen slots
+        pages_per_entry, page_size = max_seqlen_q, max_seqlen_k
+        if const_expr(self.rows in PACKED_QUERIES):
             seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
             batch = SeqBounds.num_entries(batch, mSeqInfoQ, self.rows)
+        if const_expr(self.rows == "packed_paged"):  # max_seqlen_k: the page size
+            pages_per_entry = SeqBounds.pages_per_entry(mSeqInfoQ, mSeqInfoK)
+            seqlen_q, seqlen_k = max_seqlen_q * self.rows_per_query, pages_per_entry * page_size
 
         q_layout = swizzled_smem_layout(self.dtype, 64, D, self.num_wg)
         k_layout = swizzled_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -187,12 +200,11 @@ class FlashFwdSm90(ScoreMasks):
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, tma_mQ_src, slab_layout, (64, D))
-        tma_k, tma_mK = cpasync.make_tiled_tma_atom(
-            load_op, mK, cute.select(k_layout, mode=[0, 1]), (self.tile_n, D)
-        )
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(
-            load_op, mV, cute.select(v_layout, mode=[0, 1]), (self.tile_n, D)
-        )
+        k_box, v_box = cute.select(k_layout, mode=[0, 1]), cute.select(v_layout, mode=[0, 1])
+        if const_expr(self.page_rows):  # a box per page: the tile's first page_rows rows
+            k_box, v_box = [cute.composition(box, (self.page_rows, D)) for box in (k_box, v_box)]
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK, k_box, (self.page_rows or self.tile_n, D))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV, v_box, (self.page_rows or self.tile_n, D))
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), tma_mO_src, slab_layout, (64, D)
         )
@@ -218,10 +230,16 @@ class FlashFwdSm90(ScoreMasks):
 
         num_heads = mQ.shape[2]
         num_m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
+        if const_expr(self.rows == "packed_paged"):
+            # tiles are the entries' query blocks, listed one after another (common.seqlen), not
+            # max_seqlen_q's blocks of every entry: a decode row is one block, not a chunk's count
+            num_m_blocks = 1
         heads_per_section = AttentionTileScheduler.heads_per_section_for(
             seqlen_k, 2 * D * self.dtype.width // 8, num_heads * batch, self.l2_kv_mib << 20
         )
         mO_rows, mLSE_rows, tiles_batch = mO, mLSE, batch
+        if const_expr(self.rows == "packed_paged"):  # at most this many blocks: each entry's last may be partial
+            tiles_batch = (cute.size(mQ, mode=[0]) + self.tile_m - 1) // self.tile_m + batch
         if const_expr(self.split_kv):  # (split, batch) pairs take the batch's place in the schedule
             mO_rows, mLSE_rows = self._rows(seq_major(mOpart), 2), self._rows(_select(mLSEpart, [2, 1, 0]), 1)
             tiles_batch = batch * num_splits
@@ -230,7 +248,7 @@ class FlashFwdSm90(ScoreMasks):
             mQ if const_expr(self.gathered_rows) else tma_mQ, tma_mK, tma_mV, tma_mO, mO_rows, mLSE_rows,
             mTileCounter, mSeqInfoQ, mSeqInfoK, tiles_batch,
             num_splits,
-            mMask, mMaskBits, mMaskBlocks, mMaskRange, 1.0 / softmax_scale, max_seqlen_q, max_seqlen_k,
+            mMask, mMaskBits, mMaskBlocks, mMaskRange, 1.0 / softmax_scale, pages_per_entry, page_size,
             tma_q, tma_k, tma_v, tma_o,
             tiled_mma_qk, tiled_mma_pv,
             q_layout, k_layout, v_layout,
@@ -400,23 +418,28 @@ class FlashFwdSm90(ScoreMasks):
         while scheduler.is_valid(tile):
             m_block, head, slot = scheduler.coords(tile)
             batch, split = self.split_of(slot, splits)
+            if const_expr(self.rows == "packed_paged"):
+                m_block, batch = self.entry_block(batch, mSeqInfoQ, mSeqInfoK, pages_per_entry)
             head_kv = head // q_per_kv
             bounds = SeqBounds(batch, cute.size(mQ, mode=[0]), mK.shape[0], mSeqInfoQ, mSeqInfoK, self.rows,
-                               pages_per_entry=pages_per_entry, page_size=page_size)
+                               pages_per_entry=pages_per_entry, page_size=page_size,
+                               rows_per_query=self.rows_per_query)
             if self.tile_has_rows(m_block, bounds):
                 keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch, split,
                                       splits)
-                # ((TMA atom), rest) views of the smem stages and the gmem tiles
-                gK = cute.local_tile(bounds.k_rows(mK, head_kv, batch), (self.tile_n, D), (None, 0))
-                gV = cute.local_tile(bounds.k_rows(mV, head_kv, batch), (self.tile_n, D), (None, 0))
-                tKsK, tKgK = self._tma_views(tma_k, sK, gK)
-                tVsV, tVgV = self._tma_views(tma_v, sV, gV)
+                # ((TMA atom), rest) views of the smem stages and the gmem tiles (page boxes: per box)
+                tKsK, tKgK, tVsV, tVgV = None, None, None, None
+                if const_expr(not self.page_rows):
+                    gK = cute.local_tile(bounds.k_rows(mK, head_kv, batch), (self.tile_n, D), (None, 0))
+                    gV = cute.local_tile(bounds.k_rows(mV, head_kv, batch), (self.tile_n, D), (None, 0))
+                    tKsK, tKgK = self._tma_views(tma_k, sK, gK)
+                    tVsV, tVgV = self._tma_views(tma_v, sV, gV)
                 n_min, n_max = keys.n_block_min, keys.n_block_max
-                kv_tile = partial(self.kv_tile, bounds=bounds, head_kv=head_kv)
+                load_k = partial(self.load_kv_block, tma_k, tKsK, tKgK, sK, mK, pipe_k, bounds=bounds, head_kv=head_kv)
+                load_v = partial(self.load_kv_block, tma_v, tVsV, tVgV, sV, mV, pipe_v, bounds=bounds, head_kv=head_kv)
                 if n_max > n_min:
                     pipe_k.producer_acquire(kv_state)
-                    cute.copy(tma_k, kv_tile(tKgK, tma_k, sK, mK, n_max - 1), tKsK[None, kv_state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                    load_k(n_max - 1, kv_state)
                 self.load_q(mQ, sQ, tma_q, pipe_q, q_state, m_block, head, batch, bounds)
                 q_state.advance()
                 if n_max > n_min:
@@ -426,14 +449,11 @@ class FlashFwdSm90(ScoreMasks):
                         v_state = kv_state.clone()
                         kv_state.advance()
                         pipe_k.producer_acquire(kv_state)
-                        cute.copy(tma_k, kv_tile(tKgK, tma_k, sK, mK, n - 1), tKsK[None, kv_state.index],
-                                  tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                        load_k(n - 1, kv_state)
                         pipe_v.producer_acquire(v_state)
-                        cute.copy(tma_v, kv_tile(tVgV, tma_v, sV, mV, n), tVsV[None, v_state.index],
-                                  tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                        load_v(n, v_state)
                     pipe_v.producer_acquire(kv_state)
-                    cute.copy(tma_v, kv_tile(tVgV, tma_v, sV, mV, n_min), tVsV[None, kv_state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                    load_v(n_min, kv_state)
                     kv_state.advance()
             tile, tile_state = tile_source.produce_next(tile, tile_state)
 
@@ -444,9 +464,11 @@ class FlashFwdSm90(ScoreMasks):
         pipe_q.producer_acquire(q_state)
         if const_expr(self.gathered_rows):
             lane = cute.arch.lane_idx()
+            gQ = mQ[None, None, head, batch]
+            if const_expr(self.rows in PACKED_QUERIES):  # the entry's rows of the packed tokens
+                gQ = bounds.q_rows(mQ, head, batch)
             for w in cutlass.range_constexpr(self.num_wg):
-                load_rows(mQ[None, None, head, batch], sQ[None, None, w], (m_block * self.num_wg + w) * 64,
-                          bounds.seqlen_q, lane, 32)
+                load_rows(gQ, sQ[None, None, w], (m_block * self.num_wg + w) * 64, bounds.seqlen_q, lane, 32)
             cute.arch.cp_async_mbarrier_arrive_noinc(pipe_q.producer_get_barrier(q_state))
         else:
             gQ = cute.local_tile(bounds.q_rows(mQ, head, batch), (64, self.head_dim), (None, 0))
@@ -470,6 +492,50 @@ class FlashFwdSm90(ScoreMasks):
             _, tXgX = self._tma_views(tma, sX, cute.local_tile(rows, (self.tile_n, self.head_dim), (None, 0)))
             return tXgX[None, 0]
         return tXgX[None, n_block]
+
+    def load_kv_block(self, tma, tXsX, tXgX, sX, mX, pipe, n_block, state, bounds: SeqBounds, head_kv):
+        """Start the TMA load of key block ``n_block`` into the pipeline stage ``state``: one box,
+        or (pages smaller than the block) one box per page (:meth:`load_page_boxes`)."""
+        if self.page_rows:
+            self.load_page_boxes(tma, sX, mX, n_block, state.index, pipe.producer_get_barrier(state), bounds,
+                                 head_kv)
+        else:
+            cute.copy(tma, self.kv_tile(tXgX, tma, sX, mX, n_block, bounds, head_kv), tXsX[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    @cute.jit
+    def load_page_boxes(self, tma, sX, mX, n_block, stage, barrier, bounds: SeqBounds, head_kv):
+        """Key block ``n_block`` as one TMA box per page, each looked up in the page table, all on
+        one barrier. A page wholly past the entry's keys is read from past the cache's end (its
+        table column may not exist): zeros, whose bytes still count towards the transaction."""
+        D = self.head_dim
+        per_block = self.tile_n // self.page_rows
+        boxes = cute.flat_divide(sX, (self.page_rows, D))  # (page_rows, D, boxes, 1, stages)
+        cache = mX[None, None, head_kv, 0]
+        for j in cutlass.range_constexpr(per_block):
+            page = n_block * per_block + j  # the entry's page (the page size is page_rows: no division)
+            row = mX.shape[0]
+            if page * self.page_rows < bounds.seqlen_k:
+                row = bounds.page_table[bounds.page_base + page] * self.page_rows
+            gX = cute.local_tile(cute.domain_offset((row, 0), cache), (self.page_rows, D), (None, 0))
+            tBsX, tBgX = self._tma_views(tma, boxes[None, None, j, 0, None], gX)
+            cute.copy(tma, tBgX[None, 0], tBsX[None, stage], tma_bar_ptr=barrier)
+
+    @cute.jit
+    def entry_block(self, block, mSeqInfoQ: cute.Tensor, mSeqInfoK: cute.Tensor, pages_per_entry: Int32):
+        """packed_paged: (m_block, entry) of the scheduled query block ``block``, from the entries'
+        first blocks (common.seqlen), by binary search: the last entry whose first block is at most
+        ``block``. A block past the last entry's is that entry's, past its end (no rows)."""
+        entries = cute.size(mSeqInfoQ.shape[0]) - 1
+        first_blocks = cute.domain_offset((2 * entries + entries * pages_per_entry,), mSeqInfoK)
+        low, high = Int32(0), entries
+        while high - low > 1:
+            middle = (low + high) // 2
+            if first_blocks[middle] <= block:
+                low = middle
+            else:
+                high = middle
+        return block - first_blocks[low], low
 
     def tile_has_rows(self, m_block, bounds: SeqBounds):
         """Dense tiles always do; a ragged schedule covers the longest entry's blocks."""
@@ -551,8 +617,11 @@ class FlashFwdSm90(ScoreMasks):
         while scheduler.is_valid(tile):
             m_block, head, slot = scheduler.coords(tile)
             batch, split = self.split_of(slot, splits)
+            if const_expr(self.rows == "packed_paged"):
+                m_block, batch = self.entry_block(batch, mSeqInfoQ, mSeqInfoK, pages_per_entry)
             bounds = SeqBounds(batch, seqlen_q, seqlen_k, mSeqInfoQ, mSeqInfoK, self.rows,
-                               pages_per_entry=pages_per_entry, page_size=page_size)
+                               pages_per_entry=pages_per_entry, page_size=page_size,
+                               rows_per_query=self.rows_per_query)
             if self.tile_has_rows(m_block, bounds):
                 keys = self.key_range(m_block, bounds, window_left, window_right, mMaskRange, head, batch, split,
                                       splits)
@@ -766,7 +835,9 @@ class FlashFwdSm90(ScoreMasks):
         cute.copy(thr_store, thr_store.retile(rO), thr_store.partition_D(sO))
         cute.arch.fence_view_async_shared()  # smem writes visible to the TMA unit
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
-        if const_expr(self.ragged):
+        if const_expr(self.ragged and self.gathered_rows):  # packed (token, head) rows: no whole tiles
+            store_rows(sO, bounds.q_rows(mO_rows, head, batch), bounds.seqlen_q - row_start, wg_tidx, 128, row_start)
+        elif const_expr(self.ragged):
             # rows past the entry's end are not its own: plain stores, row by row
             gO = cute.local_tile(bounds.q_rows(mO_rows, head, batch), (64, D), (m_block * self.num_wg + wg, 0))
             store_rows(sO, gO, bounds.seqlen_q - row_start, wg_tidx, 128)
@@ -792,7 +863,7 @@ def build(spec: KernelSpec):
     head_dim, causal = spec["head_dim"], spec["causal"]
     kernel = FlashFwdSm90(dtype, head_dim, causal, FwdConfig(*spec["config"]), spec["local"], spec["softcap"],
                           spec["rows"], spec["attn_mask"], spec["split_kv"], spec.get("rows_per_query", 1),
-                          spec.get("bounded_scores", False), spec.get("sink", False))
+                          spec.get("bounded_scores", False), spec.get("sink", False), spec.get("page_rows", 0))
 
     def bhsd(elem):
         # (B, S, H, D), any strides but the last; 16-byte aligned rows for TMA
