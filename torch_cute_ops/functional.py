@@ -308,6 +308,8 @@ _ENGINE_ARGS = ("scheduler_metadata", "fa_version", "q_descale", "k_descale", "v
 def _engine_arguments(args: dict, q, k_cache, learnable_sink, return_lse, num_splits):
     """Serving engines' extra arguments (vLLM's, SGLang's): (learnable_sink, return_lse) after
     their aliases; the hints accepted; what would change the result and is not supported named."""
+    if not args and num_splits.__class__ is int and num_splits >= 0:  # a plain call: nothing to check
+        return learnable_sink, bool(return_lse)
     unknown = sorted(set(args) - set(_ENGINE_ARGS))
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(unknown)}")
